@@ -1,0 +1,18 @@
+"""fairseq-streambeam: fast batched decoding for fairseq models (`--user-dir` plugin).
+
+Importing registers the task `streambeam_translation` and lets `torch.load` read fairseq
+checkpoints (torch >= 2.6 loads with weights_only=True, which rejects argparse.Namespace).
+"""
+
+import argparse
+
+import torch
+
+torch.serialization.add_safe_globals([argparse.Namespace])
+
+from . import task  # noqa: E402,F401  (registers the task with fairseq)
+from .generators.stream_beam import StreamBeamGenerator  # noqa: E402
+from .runtime.scheduler import Budget  # noqa: E402
+
+__all__ = ["StreamBeamGenerator", "Budget"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmark harness: methods side by side in one process."""

@@ -1,0 +1,1 @@
+"""Generators composed from search, runtime and scorers."""

@@ -1,0 +1,407 @@
+"""StreamBeamGenerator: fixed, variable-width (VAR-BATCH) and streaming (VAR-STREAM) beam search.
+
+The loop (see DESIGN.md): the Scheduler admits sources and picks a cohort; the cohort's
+DecoderCache feeds one incremental decoder step; fairseq's penalties adjust the log-probs;
+`rank_candidates` + the finalization rule + pruning decide what is final and what continues;
+beams and cache follow the back-pointers. Every source evolves independently of the others, so
+the schedule changes speed, never output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+from torch import Tensor
+
+from ..runtime.cache import DecoderCache, check_incremental, needs_encoder_out_each_step
+from ..runtime.counters import Counters
+from ..runtime.scheduler import Budget, Scheduler
+from ..scorers.penalties import FairseqPenalties, source_max_len
+from ..search.beam_state import Beams, rank_candidates
+from ..search.finalize import build_finalize
+from ..search.pruning import Pruning
+
+DECODINGS = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream")
+STREAMING = ("var-stream", "fixed-stream")
+PAPER_DELTA = 1.5  # Yang et al. 2020, Table 1 settings
+PAPER_M = 5
+
+
+@dataclass
+class DecodeMode:
+    """Resolved decoding mode: pruning, finalization rule and scheduling policy."""
+
+    name: str
+    pruning: Pruning
+    finalize: str
+    policy: str
+
+    @staticmethod
+    def resolve(decoding: str, beam_size: int, delta: Optional[float], max_cands: Optional[int],
+                finalize: str = "auto", stream_order: str = "min-length") -> DecodeMode:
+        if decoding not in DECODINGS:
+            raise ValueError(f"unknown --decoding {decoding!r}; expected one of {DECODINGS}")
+        variable = decoding.startswith("var-")
+        if not variable and (delta is not None or max_cands is not None):
+            raise ValueError(
+                f"--prune-abs-threshold/--prune-max-cands only apply to var-batch and var-stream, "
+                f"not --decoding {decoding}"
+            )
+        if decoding == "greedy":
+            beam_size = 1
+        pruning = Pruning(
+            beam_size=beam_size,
+            delta=(PAPER_DELTA if delta is None else delta) if variable else math.inf,
+            max_cands=(PAPER_M if max_cands is None else max_cands) if variable else 0,
+        )
+        if finalize == "auto":
+            finalize = "sticky" if variable else "fairseq"
+        if stream_order not in ("min-length", "fifo"):
+            raise ValueError(f"--stream-order must be min-length or fifo, got {stream_order!r}")
+        policy = stream_order if decoding in STREAMING else "batch"
+        return DecodeMode(decoding, pruning, finalize, policy)
+
+
+class Cohort:
+    """Live sources whose candidates all have `length` decoded tokens, with their beams and cache."""
+
+    def __init__(self, ids: List[int], max_len: List[int], beams: Beams, cache: DecoderCache,
+                 prefix: Optional[Tensor], serial: int, device: torch.device, dtype: torch.dtype):
+        self.ids = ids
+        self.max_len = max_len
+        self.max_len_t = torch.tensor(max_len, device=device)
+        self.beams = beams
+        self.cache = cache
+        self.prefix = prefix
+        self.length = 0
+        self.waited = 0
+        self.first_serial = serial
+        self.n_final = torch.zeros(len(ids), dtype=torch.long, device=device)
+        self.best_final = torch.full((len(ids),), -math.inf, dtype=dtype, device=device)
+        self.live_h = np.ones(beams.rows, dtype=bool)  # host mirrors of beams.live / beams.length
+        self.len_h = np.zeros(beams.rows, dtype=np.int64)
+
+    @staticmethod
+    def merge(a: Cohort, b: Cohort) -> Cohort:
+        assert a.length == b.length
+        a.beams = Beams.cat([a.beams, b.beams], [0, len(a.ids)])
+        a.cache = DecoderCache.cat([a.cache, b.cache])
+        a.ids = a.ids + b.ids
+        a.max_len = a.max_len + b.max_len
+        a.max_len_t = torch.cat([a.max_len_t, b.max_len_t])
+        a.prefix = None if a.prefix is None else torch.cat([a.prefix, b.prefix])  # type: ignore[list-item]
+        a.n_final = torch.cat([a.n_final, b.n_final])
+        a.best_final = torch.cat([a.best_final, b.best_final])
+        a.live_h = np.concatenate([a.live_h, b.live_h])
+        a.len_h = np.concatenate([a.len_h, b.len_h])
+        a.waited = 0
+        a.first_serial = min(a.first_serial, b.first_serial)
+        return a
+
+
+class StreamBeamGenerator(SequenceGenerator):
+    """Drop-in for fairseq's SequenceGenerator (same `generate`/`_generate` signature and output).
+
+    decoding: beam | greedy | var-batch | var-stream | fixed-stream. delta / max_cands: the paper's
+    pruning (var-* only; defaults 1.5 and 5). finalize: fairseq | sticky | auto (sticky for var-*).
+    budget: live sources for streaming modes. refill_eps: refill when fewer than eps*n are live.
+    max_wait: step a cohort that waited this many steps first (latency bound; 0 = off).
+    """
+
+    def __init__(
+        self,
+        models,
+        tgt_dict,
+        beam_size: int = 1,
+        max_len_a: float = 0,
+        max_len_b: int = 200,
+        max_len: int = 0,
+        min_len: int = 1,
+        normalize_scores: bool = True,
+        len_penalty: float = 1.0,
+        unk_penalty: float = 0.0,
+        temperature: float = 1.0,
+        tokens_to_suppress=(),
+        eos: Optional[int] = None,
+        symbols_to_strip_from_output=None,
+        decoding: str = "beam",
+        delta: Optional[float] = None,
+        max_cands: Optional[int] = None,
+        finalize: str = "auto",
+        nbest: int = 1,
+        stream_order: str = "min-length",
+        budget: Optional[Budget] = None,
+        refill_eps: float = 1 / 6,
+        max_wait: int = 0,
+        keep_encoder_out: Optional[bool] = None,
+        profile: bool = False,
+    ):
+        super().__init__(
+            models, tgt_dict, beam_size=beam_size, max_len_a=max_len_a, max_len_b=max_len_b,
+            max_len=max_len, min_len=min_len, normalize_scores=normalize_scores,
+            len_penalty=len_penalty, unk_penalty=unk_penalty, temperature=temperature, eos=eos,
+            symbols_to_strip_from_output=symbols_to_strip_from_output,
+            tokens_to_suppress=tokens_to_suppress,
+        )
+        check_incremental(self.model)
+        self.mode = DecodeMode.resolve(decoding, self.beam_size, delta, max_cands, finalize, stream_order)
+        self.pruning = self.mode.pruning
+        self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, nbest)
+        self.scheduler = Scheduler(self.mode.policy, budget or Budget(), refill_eps, max_wait)
+        self.penalties = FairseqPenalties(
+            pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty, min_len=min_len,
+            suppress=self.token_indices_to_suppress,
+        )
+        self.keep_encoder_out = (
+            needs_encoder_out_each_step(self.model) if keep_encoder_out is None else keep_encoder_out
+        )
+        self.max_source_positions = _max_source_positions(self.model)
+        self.profile = profile
+        self.counters = Counters()
+
+    @torch.no_grad()
+    def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
+                  constraints: Optional[Tensor] = None, bos_token: Optional[int] = None):
+        if constraints is not None:
+            raise NotImplementedError("fairseq_streambeam does not support lexical constraints; "
+                                      "use --decoding fairseq")
+        t0 = time.perf_counter()
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        device = src_tokens.device
+        n_src = src_tokens.size(0)
+        lengths = src_tokens.ne(self.pad).sum(1).tolist()  # incl. EOS: fairseq's width of a lone source
+        ids = sample.get("id")
+        for i, n in enumerate(lengths):
+            if n > self.max_source_positions:
+                sid = int(ids[i]) if isinstance(ids, Tensor) else i
+                raise ValueError(f"source {sid} has {n} tokens, more than the model's "
+                                 f"{self.max_source_positions} source positions")
+        max_lens = [source_max_len(n, self.max_len_a, self.max_len_b, self.max_len) for n in lengths]
+        if max_lens and self.min_len > min(max_lens):
+            raise ValueError(f"--min-len {self.min_len} exceeds the maximum length {min(max_lens)} "
+                             "allowed by --max-len-a/--max-len-b and the model's positions")
+        left_pad = bool(src_tokens[:, 0].eq(self.pad).any()) if n_src else False
+        bos = self.eos if bos_token is None else bos_token
+        results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]
+
+        cohorts: List[Cohort] = []
+        next_src = 0
+        live_tokens = 0
+        while next_src < n_src or cohorts:
+            live = sum(len(c.ids) for c in cohorts)
+            unstepped = any(c.length == 0 for c in cohorts)
+            if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens):
+                take = self.scheduler.admit(live, live_tokens, _lazy(lengths, next_src))
+                new = list(range(next_src, next_src + take))
+                next_src += take
+                live_tokens += sum(lengths[i] for i in new)
+                cohorts.append(self._admit(net_input, new, n_src, lengths, max_lens, left_pad,
+                                           prefix_tokens, bos, device))
+            i = self.scheduler.pick(cohorts)
+            c = cohorts[i]
+            for other in cohorts:
+                other.waited += 1
+            c.waited = 0
+            done_ids = self._step(c, results)
+            live_tokens -= sum(lengths[j] for j in done_ids)
+            if not c.ids:
+                cohorts.pop(i)
+            else:
+                for j, o in enumerate(cohorts):
+                    if o is not c and o.length == c.length:
+                        cohorts[j] = Cohort.merge(o, c)
+                        cohorts.remove(c)
+                        break
+
+        out = [self._sorted(r) for r in results]
+        self.counters.sentences += n_src
+        self.counters.total_seconds += time.perf_counter() - t0
+        return out
+
+    # ---------------------------------------------------------------------------------------
+
+    def _admit(self, net_input, new: List[int], n_src: int, lengths: List[int], max_lens: List[int],
+               left_pad: bool, prefix_tokens: Optional[Tensor], bos: int, device) -> Cohort:
+        """Encode sources `new` (window rows) together and start their beams."""
+        if len(new) == n_src:
+            sub = net_input
+        else:
+            rows = torch.tensor(new, device=device)
+            width = max(lengths[i] for i in new)
+            toks = net_input["src_tokens"].index_select(0, rows)
+            toks = toks[:, -width:] if left_pad else toks[:, :width]
+            sub = {"src_tokens": toks, "src_lengths": toks.ne(self.pad).sum(1)}
+        t = self._tick()
+        enc = self.model.forward_encoder(sub)
+        self.counters.model_seconds += self._tock(t)
+        self.counters.encoder_calls += 1
+        dtype = torch.float32
+        beams = Beams.start(len(new), bos, device, dtype)
+        prefix = None
+        if prefix_tokens is not None:
+            prefix = prefix_tokens if len(new) == n_src else prefix_tokens[new[0]: new[-1] + 1]
+        cache = DecoderCache(self.model, enc, self.keep_encoder_out)
+        return Cohort(new, [max_lens[i] for i in new], beams, cache, prefix, new[0], device, dtype)
+
+    def _step(self, c: Cohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
+        """One decoder step for cohort `c`: expand, rank, finalize, prune, reorder. Returns the
+        window rows of sources that finished."""
+        L = c.length
+        b = c.beams
+        all_live = bool(c.live_h.all())
+        if all_live:
+            tokens_in, row_src = b.tokens, b.src
+        else:
+            live_idx = torch.from_numpy(np.flatnonzero(c.live_h)).to(b.src.device)
+            tokens_in, row_src = b.tokens.index_select(0, live_idx), b.src.index_select(0, live_idx)
+        t = self._tick()
+        lprobs, _ = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
+                                               self.temperature)
+        self.counters.model_seconds += self._tock(t)
+        self.counters.decoder_steps += 1
+        self.counters.expansions += tokens_in.size(0)
+        c.cache.after_step()
+
+        at_max = c.max_len_t.index_select(0, row_src) <= L if L >= min(c.max_len) else None
+        prefix = None
+        if c.prefix is not None and L < c.prefix.size(1):
+            prefix = c.prefix[:, L].index_select(0, row_src)
+        lprobs = self.penalties(lprobs, L, at_max, prefix)
+
+        n_src = len(c.ids)
+        ranked = rank_candidates(b, lprobs, n_src, self.pruning, self.finalizer.ranked_per_source(),
+                                 self.eos, self.pad)
+        final, keep = self.finalizer.decide(ranked, c.n_final)
+        fin_best = torch.where(final, ranked.scores, ranked.scores.new_tensor(-math.inf)).max(1).values
+        best_final = torch.maximum(c.best_final, fin_best)
+        keep = self.pruning.threshold_keep(ranked.scores, keep, best_final)
+        n_final = c.n_final + final.sum(1)
+        done = (n_final >= self.finalizer.target) | ~keep.any(1) | (c.max_len_t <= L)
+        keep &= ~done.unsqueeze(1)
+
+        # the one host sync of the step: what is final, what continues, which sources are done
+        R = ranked.scores.size(1)
+        packed = torch.cat([
+            final.view(-1).long(), keep.view(-1).long(), ranked.carried.view(-1).long(),
+            ranked.is_eos.view(-1).long(), ranked.parent.view(-1), done.long(),
+        ]).cpu().numpy()
+        nr = n_src * R
+        final_h, keep_h, carried_h, eos_h, parent_h = (packed[j * nr:(j + 1) * nr] for j in range(5))
+        done_h = packed[5 * nr:].astype(bool)
+
+        fin_pos = np.flatnonzero(final_h)
+        if fin_pos.size:
+            self._finalize(c, ranked, fin_pos, parent_h, carried_h, R, L, results)
+
+        kp = np.flatnonzero(keep_h)
+        survive = ~done_h
+        new_src_of = np.cumsum(survive) - 1
+        parents = parent_h[kp]
+        carried = carried_h[kp].astype(bool)
+        new_live = ~carried & ~eos_h[kp].astype(bool)
+        dev = b.src.device
+        kp_t = torch.from_numpy(kp).to(dev)
+        par_t = torch.from_numpy(parents).to(dev)
+        tok = ranked.token.view(-1).index_select(0, kp_t)
+        sc = ranked.scores.view(-1).index_select(0, kp_t)
+        c.beams = Beams(
+            tokens=torch.cat([b.tokens.index_select(0, par_t), tok.unsqueeze(1)], 1),
+            cum=torch.cat([b.cum.index_select(0, par_t), sc.unsqueeze(1)], 1),
+            src=torch.from_numpy(new_src_of[kp // R]).to(dev),
+            live=torch.from_numpy(new_live).to(dev),
+        )
+        c.len_h = np.where(carried, c.len_h[parents], L + 1)
+        cache_row = np.cumsum(c.live_h) - 1
+        c.cache.reorder(torch.from_numpy(cache_row[parents[new_live]]).to(dev))
+        c.live_h = new_live
+
+        done_ids = [c.ids[j] for j in np.flatnonzero(done_h)]
+        if done_ids:
+            for j in np.flatnonzero(done_h):
+                if not results[c.ids[j]]:
+                    results[c.ids[j]].append(self._empty_hypo(dev))
+            keep_src = np.flatnonzero(survive)
+            ks = torch.from_numpy(keep_src).to(dev)
+            c.ids = [c.ids[j] for j in keep_src]
+            c.max_len = [c.max_len[j] for j in keep_src]
+            c.max_len_t = c.max_len_t.index_select(0, ks)
+            n_final = n_final.index_select(0, ks)
+            best_final = best_final.index_select(0, ks)
+            if c.prefix is not None:
+                c.prefix = c.prefix.index_select(0, ks)
+            c.cache.select_sources(ks)
+        c.n_final = n_final
+        c.best_final = best_final
+        c.length = L + 1
+        return done_ids
+
+    def _finalize(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
+                  carried_h: np.ndarray, R: int, L: int, results) -> None:
+        """Turn final candidates into fairseq hypothesis dicts (tokens end with EOS)."""
+        b = c.beams
+        dev = b.src.device
+        idx = torch.from_numpy(fin_pos).to(dev)
+        parents = parent_h[fin_pos]
+        par_t = torch.from_numpy(parents).to(dev)
+        raw = ranked.scores.view(-1).index_select(0, idx)
+        toks = torch.cat([b.tokens.index_select(0, par_t)[:, 1:],
+                          torch.full((len(fin_pos), 1), self.eos, dtype=torch.long, device=dev)], 1)
+        cum = torch.cat([b.cum.index_select(0, par_t), raw.unsqueeze(1)], 1)
+        pos = cum.clone()
+        pos[:, 1:] = cum[:, 1:] - cum[:, :-1]
+        lens = np.where(carried_h[fin_pos].astype(bool), c.len_h[parents], L + 1)
+        if self.normalize_scores:
+            div = torch.tensor([float(n) ** self.len_penalty for n in lens], dtype=raw.dtype, device=dev)
+            score = raw / div
+        else:
+            score = raw
+        for j, p in enumerate(fin_pos):
+            n = int(lens[j])
+            results[c.ids[p // R]].append({
+                "tokens": toks[j, :n], "score": score[j], "attention": torch.empty(0),
+                "alignment": torch.empty(0), "positional_scores": pos[j, :n],
+            })
+
+    def _empty_hypo(self, dev) -> Dict[str, Tensor]:
+        """Defined output for a source whose every candidate was invalid (e.g. all -inf)."""
+        return {"tokens": torch.tensor([self.eos], device=dev), "score": torch.tensor(-math.inf),
+                "attention": torch.empty(0), "alignment": torch.empty(0),
+                "positional_scores": torch.tensor([-math.inf], device=dev)}
+
+    @staticmethod
+    def _sorted(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
+        # the same sort as fairseq's SequenceGenerator, so ties break the same way
+        scores = torch.tensor([float(h["score"].item()) for h in hypos])
+        _, order = torch.sort(scores, descending=True)
+        return [hypos[i] for i in order]
+
+    def _tick(self) -> float:
+        if self.profile and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _tock(self, t: float) -> float:
+        return self._tick() - t
+
+
+def _lazy(lengths: List[int], start: int):
+    for i in range(start, len(lengths)):
+        yield lengths[i]
+
+
+def _max_source_positions(model) -> int:
+    best = math.inf
+    for m in model.models:
+        mp = m.max_positions() if hasattr(m, "max_positions") else None
+        if isinstance(mp, tuple):
+            mp = mp[0]
+        if isinstance(mp, int):
+            best = min(best, mp)
+    return int(best) if best != math.inf else 10**9

@@ -1,0 +1,70 @@
+"""Command-line options of the plugin (fields of the task's dataclass) and their validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fairseq.dataclass import ChoiceEnum
+from fairseq.tasks.translation import TranslationConfig
+
+DECODING_CHOICES = ChoiceEnum(["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "fairseq"])
+FINALIZE_CHOICES = ChoiceEnum(["auto", "fairseq", "sticky"])
+ORDER_CHOICES = ChoiceEnum(["min-length", "fifo"])
+
+
+@dataclass
+class StreamBeamConfig(TranslationConfig):
+    decoding: DECODING_CHOICES = field(
+        default="beam",
+        metadata={"help": "beam: fixed beam (= fairseq's output); greedy: beam 1; var-batch: variable-"
+                          "width beams (delta, M) per batch; var-stream: variable-width beams with "
+                          "streaming refill (Yang et al. 2020); fixed-stream: fixed beam, streamed; "
+                          "fairseq: fairseq's own SequenceGenerator"},
+    )
+    prune_abs_threshold: Optional[float] = field(
+        default=None, metadata={"help": "delta: drop candidates more than delta below the best "
+                                        "(var-* only; default 1.5)"})
+    prune_max_cands: Optional[int] = field(
+        default=None, metadata={"help": "M: at most M children per parent (var-* only; default 5)"})
+    finalize: FINALIZE_CHOICES = field(
+        default="auto", metadata={"help": "fairseq: EOS candidates finish at once, k per source; sticky: "
+                                          "the paper's rule, final only when top candidate; auto: sticky "
+                                          "for var-*, fairseq otherwise"})
+    refill_eps: float = field(
+        default=1 / 6, metadata={"help": "eps: refill when fewer than eps*n sources are live (streaming)"})
+    stream_order: ORDER_CHOICES = field(
+        default="min-length", metadata={"help": "which cohort steps next when streaming: min-length "
+                                                "(the paper) or fifo (paper A.2)"})
+    stream_window: int = field(
+        default=32, metadata={"help": "streaming modes: hand the generator windows of this many "
+                                      "fairseq batches; --batch-size/--max-tokens stay the live budget n"})
+    max_wait_steps: int = field(
+        default=0, metadata={"help": "latency bound: step a cohort first once it has waited this many "
+                                     "decoder steps (0 = off; output unchanged)"})
+    stream_profile: bool = field(
+        default=False, metadata={"help": "synchronize CUDA around model calls so the model vs "
+                                         "bookkeeping time split is exact"})
+
+
+def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn) -> list[str]:
+    """fairseq generation options this generator does not implement (use --decoding fairseq)."""
+    bad = []
+    checks = [
+        ("sampling", lambda v: bool(v), "--sampling"),
+        ("diverse_beam_groups", lambda v: v is not None and v > 0, "--diverse-beam-groups"),
+        ("diversity_rate", lambda v: v is not None and v > -1, "--diversity-rate"),
+        ("match_source_len", lambda v: bool(v), "--match-source-len"),
+        ("constraints", lambda v: bool(v), "--constraints"),
+        ("no_repeat_ngram_size", lambda v: v is not None and v > 0, "--no-repeat-ngram-size"),
+        ("print_alignment", lambda v: bool(v), "--print-alignment"),
+        ("lm_path", lambda v: v is not None, "--lm-path"),
+    ]
+    for name, is_set, flag in checks:
+        if is_set(getattr(args, name, None)):
+            bad.append(flag)
+    if prefix_allowed_tokens_fn is not None:
+        bad.append("prefix_allowed_tokens_fn")
+    if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None and "--lm-path" not in bad:
+        bad.append("--lm-path")
+    return bad

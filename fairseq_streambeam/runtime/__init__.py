@@ -1,0 +1,1 @@
+"""Runtime: decoder cache per cohort, scheduling, counters."""

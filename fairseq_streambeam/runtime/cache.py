@@ -1,0 +1,219 @@
+"""Decoder cache: fairseq incremental state (and encoder outputs) for one cohort of candidates.
+
+A *cohort* is a set of live candidates whose target prefixes all have the same length. Keeping
+each cohort's cache as one contiguous batch means a decoder step needs no gather/scatter copy of
+the KV cache, no position patching and no left padding of self-attention keys: only fairseq's own
+per-step reorder. Two cohorts that reach the same length are concatenated once (`DecoderCache.cat`),
+padding only the encoder-side keys, which differ in source length.
+
+Everything here that knows fairseq internals is in the "fairseq adapter" functions at the bottom.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from fairseq.models import FairseqIncrementalDecoder
+from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.sequence_generator import EnsembleModel
+from torch import Tensor
+
+IncState = Dict[str, Dict[str, Optional[Tensor]]]
+EncOut = Dict[str, List[Tensor]]
+
+
+class DecoderCache:
+    """Incremental decoder state of one cohort; row i belongs to the cohort's i-th live candidate.
+
+    `encoder_outs` holds one encoder output per model with one row per *source* of the cohort;
+    `row_src` maps candidate rows to those source rows. Decoders whose encoder-attention keys are
+    cached in the incremental state (fairseq's transformer) only need encoder outputs at the first
+    step, so they are dropped after it (see `needs_encoder_out_each_step`).
+    """
+
+    def __init__(self, model: EnsembleModel, encoder_outs: Optional[List[EncOut]], keep_encoder_out: bool):
+        self.model = model
+        self.states: List[IncState] = [{} for _ in range(model.models_size)]
+        self.encoder_outs = encoder_outs
+        self.keep_encoder_out = keep_encoder_out
+        self.stepped = False
+
+    def decoder_inputs(self, row_src: Tensor) -> Optional[List[EncOut]]:
+        """Encoder outputs to hand to the decoder for candidate rows whose sources are `row_src`."""
+        if self.encoder_outs is None:
+            return encoder_out_stand_in(self.model, row_src.numel(), row_src.device)
+        if not self.stepped and row_src.numel() == _enc_batch(self.encoder_outs[0]):
+            return self.encoder_outs  # first step: one candidate per source, same order
+        return self.model.reorder_encoder_out(self.encoder_outs, row_src)
+
+    def after_step(self) -> None:
+        """Record that the incremental state now holds the encoder-attention keys."""
+        self.stepped = True
+        if not self.keep_encoder_out:
+            self.encoder_outs = None
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep rows `rows` (with repetition) of every buffer: follow beam back-pointers."""
+        for m, state in zip(self.model.models, self.states):
+            reorder_incremental_state(m.decoder, state, rows)
+
+    def select_sources(self, keep: Tensor) -> None:
+        """Keep only the source rows `keep` of the stored encoder outputs (finished sources leave)."""
+        if self.encoder_outs is not None:
+            self.encoder_outs = self.model.reorder_encoder_out(self.encoder_outs, keep)
+
+    @staticmethod
+    def cat(caches: List[DecoderCache]) -> DecoderCache:
+        """Concatenate cohorts of equal target length (rows and sources in the given order)."""
+        first = caches[0]
+        out = DecoderCache(first.model, None, first.keep_encoder_out)
+        out.stepped = True
+        assert all(c.stepped for c in caches), "only stepped cohorts are merged"
+        out.states = [cat_incremental_states([c.states[i] for c in caches]) for i in range(len(first.states))]
+        if first.keep_encoder_out:
+            out.encoder_outs = [
+                cat_encoder_outs([c.encoder_outs[i] for c in caches])  # type: ignore[index]
+                for i in range(first.model.models_size)
+            ]
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# fairseq adapter: the only code here that depends on how fairseq lays out its decoder state.
+# --------------------------------------------------------------------------------------------
+
+
+def check_incremental(model: EnsembleModel) -> None:
+    """Refuse models whose decoder cannot decode incrementally, and undo beamable attention.
+
+    fairseq's "beamable" encoder-decoder attention (`set_beam_size(k>1)`) stores encoder keys once
+    per sentence assuming exactly k rows each; variable-width beams break that assumption, so every
+    attention module is reset to beam_size 1 (the default).
+    """
+    for m in model.models:
+        if not isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder):
+            raise ValueError(
+                f"fairseq_streambeam needs models with an incremental decoder; got {type(m).__name__}"
+            )
+        for mod in m.modules():
+            if isinstance(mod, MultiheadAttention) and mod.beam_size != 1:
+                mod.set_beam_size(1)
+
+
+def needs_encoder_out_each_step(model: EnsembleModel) -> bool:
+    """False for decoders that cache encoder-attention keys (fairseq's TransformerDecoderBase)."""
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    return not all(isinstance(m.decoder, TransformerDecoderBase) for m in model.models)
+
+
+def encoder_out_stand_in(model: EnsembleModel, rows: int, device: torch.device) -> List[EncOut]:
+    """Zero-copy encoder outputs for a transformer decoder whose cross-attention keys are cached.
+
+    fairseq's TransformerDecoder skips cross-attention when `encoder_out` is empty, so it must get
+    a tensor; once `prev_key` is in the incremental state, MultiheadAttention(static_kv=True)
+    ignores that tensor and its padding mask and uses the cached keys and mask. A stride-0 view of
+    the right batch size avoids re-gathering [src_len, rows, dim] encoder states every step.
+    """
+    outs = []
+    for m in model.models:
+        dim = m.decoder.embed_dim if hasattr(m.decoder, "embed_dim") else 1
+        dummy = torch.zeros(1, 1, dim, device=device).expand(1, rows, dim)
+        outs.append({"encoder_out": [dummy], "encoder_padding_mask": [], "encoder_embedding": [],
+                     "encoder_states": [], "src_tokens": [], "src_lengths": []})
+    return outs
+
+
+def reorder_incremental_state(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor) -> None:
+    """Like fairseq's `reorder_incremental_state_scripting`, but correct for variable-width beams.
+
+    fairseq's MultiheadAttention.reorder_incremental_state returns early for encoder-decoder
+    attention when the row count is unchanged (it assumes fixed beams where those rows are
+    identical copies); with variable widths rows of different sources move, so its buffers are
+    index-selected here. Other modules keep their own reorder.
+    """
+    for module in decoder.modules():
+        if isinstance(module, MultiheadAttention):
+            buf = module._get_input_buffer(state)
+            if buf:
+                for key, val in buf.items():
+                    if val is not None:
+                        buf[key] = val.index_select(0, rows)
+                module._set_input_buffer(state, buf)
+        elif hasattr(module, "reorder_incremental_state"):
+            module.reorder_incremental_state(state, rows)
+
+
+def cat_incremental_states(states: List[IncState]) -> IncState:
+    """Concatenate MultiheadAttention buffers of several cohorts along the batch dimension.
+
+    Self-attention buffers have equal lengths (cohorts share a target length). Encoder-attention
+    buffers are right-padded to the longest source: keys/values with zeros, the padding mask with
+    True, so padded positions get exactly zero attention weight.
+    """
+    out: IncState = {}
+    for key in states[0]:
+        bufs = [s[key] for s in states]
+        if any(set(b) != set(bufs[0]) for b in bufs):
+            raise ValueError(f"incremental state entry {key!r} differs between cohorts")
+        merged: Dict[str, Optional[Tensor]] = {}
+        kv = [b.get("prev_key") for b in bufs]
+        if any(not isinstance(t, Tensor) or t.dim() != 4 for t in kv):
+            raise NotImplementedError(
+                "streaming needs decoders whose incremental state is fairseq MultiheadAttention "
+                f"buffers; entry {key!r} is not (use --decoding beam or var-batch)"
+            )
+        length = max(t.size(2) for t in kv)  # type: ignore[union-attr]
+        rows = [t.size(0) for t in kv]  # type: ignore[union-attr]
+        for name in bufs[0]:
+            ts = [b[name] for b in bufs]
+            if name == "prev_key_padding_mask":
+                if all(t is None for t in ts):
+                    merged[name] = None
+                    continue
+                ts = [
+                    torch.zeros(n, length if t is None else t.size(1), dtype=torch.bool, device=kv[0].device)
+                    if t is None else t
+                    for n, t in zip(rows, ts)
+                ]
+                merged[name] = torch.cat([_pad(t.bool(), 1, length, True) for t in ts], 0)
+            elif all(isinstance(t, Tensor) and t.dim() == 4 for t in ts):
+                merged[name] = torch.cat([_pad(t, 2, length, 0) for t in ts], 0)  # type: ignore[arg-type]
+            else:
+                raise NotImplementedError(f"cannot merge incremental state field {name!r}")
+        out[key] = merged
+    return out
+
+
+def cat_encoder_outs(outs: List[EncOut]) -> EncOut:
+    """Concatenate fairseq transformer-style encoder outputs along the batch, padding the time axis."""
+    length = max(o["encoder_out"][0].size(0) for o in outs)
+    merged: EncOut = {}
+    for key in outs[0]:
+        items = [o[key] for o in outs]
+        if all(len(x) == 0 for x in items):
+            merged[key] = []
+        elif key in ("encoder_out", "encoder_states"):  # [T, B, C]
+            merged[key] = [torch.cat([_pad(x[j], 0, length, 0) for x in items], 1) for j in range(len(items[0]))]
+        elif key == "encoder_padding_mask":  # [B, T]
+            merged[key] = [torch.cat([_pad(x[0], 1, length, True) for x in items], 0)]
+        elif key == "encoder_embedding":  # [B, T, C]
+            merged[key] = [torch.cat([_pad(x[0], 1, length, 0) for x in items], 0)]
+        elif key == "src_lengths":
+            merged[key] = [torch.cat([x[0] for x in items], 0)]
+        else:
+            merged[key] = []  # src_tokens etc. are not read by the decoder
+    return merged
+
+
+def _pad(t: Tensor, dim: int, length: int, value) -> Tensor:
+    if t.size(dim) == length:
+        return t
+    shape = list(t.shape)
+    shape[dim] = length - t.size(dim)
+    return torch.cat([t, t.new_full(shape, value)], dim)
+
+
+def _enc_batch(enc: EncOut) -> int:
+    return enc["encoder_out"][0].size(1)

@@ -1,0 +1,38 @@
+"""Run counters (the paper's Table 5 columns) accumulated by a generator across calls."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Counters:
+    sentences: int = 0
+    decoder_steps: int = 0  # model calls of the incremental decoder
+    expansions: int = 0  # candidate rows expanded by the decoder, summed over steps
+    encoder_calls: int = 0
+    model_seconds: float = 0.0  # encoder + decoder calls
+    total_seconds: float = 0.0  # whole generate calls
+
+    @property
+    def expansions_per_step(self) -> float:
+        return self.expansions / self.decoder_steps if self.decoder_steps else 0.0
+
+    @property
+    def bookkeeping_seconds(self) -> float:
+        return max(0.0, self.total_seconds - self.model_seconds)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["expansions_per_step"] = round(self.expansions_per_step, 2)
+        d["bookkeeping_seconds"] = round(self.bookkeeping_seconds, 3)
+        d["sentences_per_second"] = round(self.sentences / self.total_seconds, 2) if self.total_seconds else 0.0
+        return d
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        return (
+            f"{d['sentences']} sentences, {d['decoder_steps']} decoder steps, {d['expansions']} expansions "
+            f"({d['expansions_per_step']} per step), {d['sentences_per_second']} sentences/s, "
+            f"model {self.model_seconds:.2f}s + bookkeeping {d['bookkeeping_seconds']:.2f}s"
+        )

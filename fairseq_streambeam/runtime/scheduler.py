@@ -1,0 +1,89 @@
+"""Scheduling: which cohort steps next, and when and how many new sources enter.
+
+Policies (the output never depends on them; only speed does):
+- ``batch``: admit a batch, decode it until every source is done, then admit the next
+  (fairseq's behaviour; VAR-BATCH in the paper).
+- ``min-length``: step the cohort with the shortest target prefix; refill when fewer than
+  eps*n sources are live (VAR-STREAM, Yang et al. 2020).
+- ``fifo``: like min-length, but step the cohort holding the earliest-admitted source (paper A.2).
+A latency bound (`max_wait`) steps a cohort first once it has waited that many decoder steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+POLICIES = ("batch", "min-length", "fifo")
+
+
+class CohortLike(Protocol):
+    length: int
+    waited: int
+    first_serial: int
+
+
+@dataclass
+class Budget:
+    """Live-source budget: at most `max_sentences` sources and `max_tokens` source tokens."""
+
+    max_sentences: Optional[int] = None
+    max_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_sentences is None and self.max_tokens is None:
+            self.max_sentences = 64
+        for name in ("max_sentences", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"stream budget {name} must be >= 1, got {v}")
+
+
+class Scheduler:
+    def __init__(self, policy: str, budget: Budget, refill_eps: float = 1 / 6, max_wait: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {POLICIES}")
+        if not 0.0 <= refill_eps <= 1.0:
+            raise ValueError(f"--refill-eps must be in [0, 1], got {refill_eps}")
+        if max_wait < 0:
+            raise ValueError(f"--max-wait-steps must be >= 0, got {max_wait}")
+        self.policy = policy
+        self.budget = budget
+        self.eps = refill_eps
+        self.max_wait = max_wait
+
+    def should_refill(self, live_sources: int, live_tokens: int) -> bool:
+        if live_sources == 0:
+            return True
+        if self.policy == "batch":
+            return False
+        b = self.budget
+        if b.max_sentences is not None and live_sources < self.eps * b.max_sentences:
+            return True
+        if b.max_sentences is None and b.max_tokens is not None:
+            return live_tokens < self.eps * b.max_tokens
+        return False
+
+    def admit(self, live_sources: int, live_tokens: int, pending_lengths: Sequence[int]) -> int:
+        """How many of the pending sources (in order) to admit now; at least one when none is live."""
+        b = self.budget
+        n = 0
+        tokens = live_tokens
+        for length in pending_lengths:
+            if b.max_sentences is not None and live_sources + n >= b.max_sentences:
+                break
+            if b.max_tokens is not None and tokens + length > b.max_tokens and live_sources + n > 0:
+                break
+            n += 1
+            tokens += length
+        return n
+
+    def pick(self, cohorts: Sequence[CohortLike]) -> int:
+        """Index of the cohort to step next."""
+        if self.max_wait:
+            waited = max(range(len(cohorts)), key=lambda i: cohorts[i].waited)
+            if cohorts[waited].waited >= self.max_wait:
+                return waited
+        if self.policy == "fifo":
+            return min(range(len(cohorts)), key=lambda i: cohorts[i].first_serial)
+        return min(range(len(cohorts)), key=lambda i: cohorts[i].length)

@@ -1,0 +1,1 @@
+"""Per-step additive terms on the log-probs (fairseq's penalties; LMBR later)."""

@@ -1,0 +1,63 @@
+"""fairseq's own per-step log-prob adjustments, applied to a cohort's live rows at once.
+
+Same order and values as `SequenceGenerator._generate`: NaN -> -inf, never pad, unk penalty,
+forced EOS at the maximum length, prefix tokens, else minimum length and suppressed tokens. The
+maximum length is per source (see `source_max_len`), so results never depend on batch padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class FairseqPenalties:
+    pad: int
+    unk: int
+    eos: int
+    unk_penalty: float = 0.0
+    min_len: int = 1
+    suppress: Optional[Tensor] = None  # token ids never generated
+
+    def __call__(
+        self,
+        lprobs: Tensor,
+        step: int,
+        at_max_len: Optional[Tensor],
+        prefix: Optional[Tensor],
+    ) -> Tensor:
+        """lprobs [N, V] for live rows at decoding step `step` (0-based). `at_max_len` [N] bool
+        (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
+        None when past every prefix."""
+        lprobs[lprobs != lprobs] = -math.inf
+        lprobs[:, self.pad] = -math.inf
+        if self.unk_penalty:
+            lprobs[:, self.unk] -= self.unk_penalty
+        if at_max_len is not None:
+            eos_col = lprobs[:, self.eos].clone()
+            lprobs.masked_fill_(at_max_len.unsqueeze(1), -math.inf)
+            lprobs[:, self.eos] = eos_col
+        if prefix is not None:
+            forced = prefix != self.pad
+            if at_max_len is not None:
+                forced &= ~at_max_len
+            chosen = lprobs.gather(1, prefix.unsqueeze(1))
+            masked = torch.full_like(lprobs, -math.inf).scatter_(1, prefix.unsqueeze(1), chosen)
+            lprobs = torch.where(forced.unsqueeze(1), masked, lprobs)
+        else:
+            if step < self.min_len:
+                lprobs[:, self.eos] = -math.inf
+            if self.suppress is not None:
+                lprobs[:, self.suppress] = -math.inf
+        return lprobs
+
+
+def source_max_len(src_len_with_eos: int, max_len_a: float, max_len_b: int, model_max: int) -> int:
+    """fairseq's limit min(a*x + b, max_positions - 1), with x this source's own length including
+    EOS (fairseq uses the padded batch width, which makes output depend on the batch when a != 0)."""
+    return min(int(max_len_a * src_len_with_eos + max_len_b), model_max - 1)

@@ -1,0 +1,1 @@
+"""Search logic with no model: beam state, pruning rules, finalization rules."""

@@ -1,0 +1,106 @@
+"""Beam state of one cohort (sources whose candidates share a target length): pure tensor logic.
+
+Candidate rows are grouped by source in ascending source order; a source has 1..k rows. `live`
+rows are expanded by the model; finished rows (sticky rule) are carried without model work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .finalize import Ranked
+from .pruning import Pruning
+
+
+@dataclass
+class Beams:
+    """tokens [N, L+1] (BOS first); cum [N, L] cumulative log-prob after each token; src [N]
+    cohort-local source index; live [N] (False: finished row carried by the sticky rule)."""
+
+    tokens: Tensor
+    cum: Tensor
+    src: Tensor
+    live: Tensor
+
+    @staticmethod
+    def start(n_sources: int, bos: int, device: torch.device, dtype: torch.dtype) -> Beams:
+        return Beams(
+            tokens=torch.full((n_sources, 1), bos, dtype=torch.long, device=device),
+            cum=torch.zeros(n_sources, 0, dtype=dtype, device=device),
+            src=torch.arange(n_sources, device=device),
+            live=torch.ones(n_sources, dtype=torch.bool, device=device),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.src.numel()
+
+    def score(self) -> Tensor:
+        """Current cumulative score of every row (0 before the first token)."""
+        if self.cum.size(1) == 0:
+            return self.cum.new_zeros(self.rows)
+        return self.cum[:, -1]
+
+    @staticmethod
+    def cat(parts: list[Beams], src_offsets: list[int]) -> Beams:
+        return Beams(
+            tokens=torch.cat([p.tokens for p in parts]),
+            cum=torch.cat([p.cum for p in parts]),
+            src=torch.cat([p.src + off for p, off in zip(parts, src_offsets)]),
+            live=torch.cat([p.live for p in parts]),
+        )
+
+
+def rank_candidates(
+    beams: Beams,
+    live_lprobs: Tensor,
+    n_sources: int,
+    pruning: Pruning,
+    ranked: int,
+    eos: int,
+    pad: int,
+) -> Ranked:
+    """Rank each source's candidates: children of live rows (at most M per parent) and, for
+    finished rows, the row itself carried over unchanged (token `pad`).
+
+    Two stages: top-c children per parent ([N_live, V] -> [N_live, c]), then top-R over the
+    source's parents ([B, k*c]); the top-R set equals that of one top-k over all parents x vocab.
+    """
+    k = pruning.beam_size
+    c = pruning.children_per_parent(ranked, live_lprobs.size(1))
+    score = beams.score()
+    n = beams.rows
+    device = score.device
+    all_live = live_lprobs.size(0) == n
+    live_score = score if all_live else score[beams.live]
+    top_s, top_t = (live_lprobs + live_score.unsqueeze(1)).topk(c, dim=1)
+    if all_live:
+        child_s, child_t = top_s, top_t
+    else:
+        child_s = score.new_full((n, c), -math.inf)
+        child_t = torch.full((n, c), pad, dtype=torch.long, device=device)
+        child_s[beams.live] = top_s
+        child_t[beams.live] = top_t
+        carried = ~beams.live
+        child_s[carried, 0] = score[carried]
+
+    counts = torch.zeros(n_sources, dtype=torch.long, device=device).index_add_(
+        0, beams.src, torch.ones_like(beams.src)
+    )
+    starts = counts.cumsum(0) - counts
+    slot = torch.arange(n, device=device) - starts[beams.src]
+    flat = ((beams.src * k + slot) * c).unsqueeze(1) + torch.arange(c, device=device)
+    grid = score.new_full((n_sources * k * c,), -math.inf)
+    grid[flat.view(-1)] = child_s.reshape(-1)
+    r = min(ranked, k * c)
+    scores, idx = grid.view(n_sources, k * c).topk(r, dim=1)
+    parent = (starts.unsqueeze(1) + idx // c).clamp_(max=max(n - 1, 0))
+    token = child_t.view(-1)[(parent * c + idx % c).view(-1)].view(n_sources, r)
+    valid = scores > -math.inf
+    carried = valid & (token == pad)
+    return Ranked(scores=scores, parent=parent, token=token, valid=valid, is_eos=valid & (token == eos),
+                  carried=carried)

@@ -1,0 +1,46 @@
+"""Beam-width rules of the paper (Yang et al. 2020, Sec. 3): fixed width k, absolute threshold
+delta, and at most M candidates per parent. Fixed beam search is delta=inf, M=unlimited."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Pruning:
+    """k: most candidates a source keeps; delta: drop candidates whose cumulative log-prob is more
+    than delta below the best candidate or finished hypothesis of the source; max_cands (M): most
+    children taken from one parent per step."""
+
+    beam_size: int
+    delta: float = math.inf
+    max_cands: int = 0  # 0 = unlimited
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1:
+            raise ValueError(f"beam size must be >= 1, got {self.beam_size}")
+        if not self.delta > 0:
+            raise ValueError(f"--prune-abs-threshold (delta) must be > 0, got {self.delta}")
+        if self.max_cands < 0:
+            raise ValueError(f"--prune-max-cands (M) must be >= 0 (0 = unlimited), got {self.max_cands}")
+
+    @property
+    def is_fixed(self) -> bool:
+        return math.isinf(self.delta) and self.max_cands == 0
+
+    def children_per_parent(self, ranked: int, vocab: int) -> int:
+        """How many children of each parent can matter: min(M, candidates ranked, vocab - 1)."""
+        c = min(ranked, vocab - 1)
+        return min(c, self.max_cands) if self.max_cands > 0 else c
+
+    def threshold_keep(self, scores: Tensor, valid: Tensor, best_final: Tensor) -> Tensor:
+        """Mask of candidates within delta of the best of (top candidate, best finished)."""
+        if math.isinf(self.delta):
+            return valid
+        top = torch.where(valid, scores, scores.new_tensor(-math.inf)).max(dim=1).values
+        ref = torch.maximum(top, best_final)
+        return valid & (scores > (ref - self.delta).unsqueeze(1))

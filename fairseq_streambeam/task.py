@@ -1,0 +1,104 @@
+"""fairseq adapter: the `streambeam_translation` task (the only layer that knows fairseq's CLI).
+
+A TranslationTask that (1) builds a StreamBeamGenerator from `--decoding`, (2) never drops input
+sentences, and (3) in streaming modes hands the generator windows of `--stream-window` fairseq
+batches, so refill spans what would have been batch boundaries while `--batch-size` /
+`--max-tokens` keep meaning "how many sources decode together" (the paper's n).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationTask
+
+from .generators.stream_beam import STREAMING, StreamBeamGenerator
+from .options import StreamBeamConfig, unsupported_generation_options
+from .runtime.scheduler import Budget
+
+logger = logging.getLogger("fairseq_streambeam")
+
+
+@register_task("streambeam_translation", dataclass=StreamBeamConfig)
+class StreamBeamTranslationTask(TranslationTask):
+    cfg: StreamBeamConfig
+
+    def __init__(self, cfg: StreamBeamConfig, src_dict, tgt_dict):
+        super().__init__(cfg, src_dict, tgt_dict)
+        if cfg.stream_window < 1:
+            raise ValueError(f"--stream-window must be >= 1, got {cfg.stream_window}")
+        self.budget: Budget | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.cfg.decoding in STREAMING
+
+    def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
+                           ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
+        """fairseq's batching with two changes: required_batch_size_multiple is 1, because
+        fairseq's batch_by_size silently drops a last batch that is not a multiple of it (fairseq
+        issues #5036, #5351); and streaming modes get windows of `stream_window` batches."""
+        self.budget = Budget(max_sentences, max_tokens)
+        if self.streaming:
+            w = self.cfg.stream_window
+            max_tokens = None if max_tokens is None else max_tokens * w
+            max_sentences = None if max_sentences is None else max_sentences * w
+        return super().get_batch_iterator(
+            dataset, max_tokens=max_tokens, max_sentences=max_sentences, max_positions=max_positions,
+            ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=1, **kwargs)
+
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
+                        prefix_allowed_tokens_fn=None):
+        if self.cfg.decoding == "fairseq":
+            return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
+                                           extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+                                           prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        bad = unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+        if bad:
+            raise ValueError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
+                             "use --decoding fairseq for those")
+        gen = StreamBeamGenerator(
+            models, self.target_dictionary,
+            beam_size=getattr(args, "beam", 5),
+            max_len_a=getattr(args, "max_len_a", 0),
+            max_len_b=getattr(args, "max_len_b", 200),
+            max_len=getattr(args, "max_len", 0) or 0,
+            min_len=getattr(args, "min_len", 1),
+            normalize_scores=not getattr(args, "unnormalized", False),
+            len_penalty=getattr(args, "lenpen", 1),
+            unk_penalty=getattr(args, "unkpen", 0),
+            temperature=getattr(args, "temperature", 1.0),
+            nbest=getattr(args, "nbest", 1),
+            decoding=self.cfg.decoding,
+            delta=self.cfg.prune_abs_threshold,
+            max_cands=self.cfg.prune_max_cands,
+            finalize=self.cfg.finalize,
+            stream_order=self.cfg.stream_order,
+            budget=self.budget,
+            refill_eps=self.cfg.refill_eps,
+            max_wait=self.cfg.max_wait_steps,
+            profile=self.cfg.stream_profile,
+        )
+        _report_at_exit(gen)
+        return gen
+
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+        if isinstance(generator, StreamBeamGenerator) and self.budget is not None:
+            generator.scheduler.budget = self.budget  # live budget = this run's --batch-size/--max-tokens
+        return super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens,
+                                      constraints=constraints)
+
+
+def _report_at_exit(gen: StreamBeamGenerator) -> None:
+    """Log the run's counters (decoder steps, expansions per step, time split) when the process ends."""
+    ref = weakref.ref(gen)
+
+    def report() -> None:
+        g = ref()
+        if g is not None and g.counters.sentences:
+            logger.info("streambeam %s: %s", g.mode.name, g.counters.summary())
+
+    atexit.register(report)

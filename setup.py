@@ -1,0 +1,33 @@
+"""fairseq-streambeam: streaming batched beam search for fairseq (see README.md)."""
+
+from setuptools import find_packages, setup
+
+# Pins: the official fairseq==0.12.2 does not import on Python 3.11 and its omegaconf pin is
+# refused by current pip; ve-fairseq 0.12.3 is upstream fairseq main as a cp311 wheel and works
+# with torch 2.13 (CPU wheel here). The other pins are what that combination resolves to.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "ve-fairseq==0.12.3",
+    "hydra-core==1.3.8",
+    "omegaconf==2.3.1",
+    "numpy==2.4.6",
+    "sacrebleu==2.6.0",
+    "sentencepiece==0.2.3",
+    "tqdm",
+]
+
+setup(
+    name="fairseq-streambeam",
+    version="0.1.0",
+    description="Streaming variable-width batched beam search (and more) for fairseq models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["fairseq_streambeam", "fairseq_streambeam.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
+        # fastBPE (WMT'19 models) needs: pip install cython setuptools wheel &&
+        #   pip install --no-build-isolation fastBPE==0.1.0   (see README)
+    },
+)
