@@ -42,8 +42,8 @@ class _Task:
         self.target_dictionary = d
 
 
-def random_transformer(d: Dictionary, seed: int, layers: int = 2, dim: int = 32, peaky: float = 4.0,
-                       eos_bias: float = 0.0) -> TransformerModel:
+def random_transformer(d: Dictionary, seed: int, layers: int = 2, dim: int = 32, peaky: float = 2.0,
+                       eos_bias: float = 4.0) -> TransformerModel:
     """A tiny random-weight fairseq transformer. `peaky` scales the output embeddings so the
     distributions are far from uniform, as in trained models; `eos_bias` makes EOS likelier."""
     torch.manual_seed(seed)
@@ -58,10 +58,13 @@ def random_transformer(d: Dictionary, seed: int, layers: int = 2, dim: int = 32,
     args.encoder_embed_dim = args.decoder_embed_dim = dim
     args.encoder_ffn_embed_dim = args.decoder_ffn_embed_dim = 2 * dim
     model = TransformerModel.build_model(args, _Task(d))
+    old = model.decoder.output_projection
+    proj = torch.nn.Linear(old.in_features, old.out_features, bias=True)
     with torch.no_grad():
-        out = model.decoder.output_projection.weight
-        out.mul_(peaky)
-        out[d.eos()] += eos_bias * out.abs().mean()
+        proj.weight.copy_(old.weight * peaky)
+        proj.bias.zero_()
+        proj.bias[d.eos()] = eos_bias
+    model.decoder.output_projection = proj
     return model.eval()
 
 

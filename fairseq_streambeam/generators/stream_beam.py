@@ -199,11 +199,12 @@ class StreamBeamGenerator(SequenceGenerator):
             unstepped = any(c.length == 0 for c in cohorts)
             if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens):
                 take = self.scheduler.admit(live, live_tokens, _lazy(lengths, next_src))
-                new = list(range(next_src, next_src + take))
-                next_src += take
-                live_tokens += sum(lengths[i] for i in new)
-                cohorts.append(self._admit(net_input, new, n_src, lengths, max_lens, left_pad,
-                                           prefix_tokens, bos, device))
+                if take:
+                    new = list(range(next_src, next_src + take))
+                    next_src += take
+                    live_tokens += sum(lengths[i] for i in new)
+                    cohorts.append(self._admit(net_input, new, n_src, lengths, max_lens, left_pad,
+                                               prefix_tokens, bos, device))
             i = self.scheduler.pick(cohorts)
             c = cohorts[i]
             for other in cohorts:
