@@ -1,7 +1,5 @@
 """Command-line options of the plugin (fields of the task's dataclass) and their validation."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Optional
 

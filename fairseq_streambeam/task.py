@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import weakref
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationTask
@@ -34,7 +33,7 @@ class StreamBeamTranslationTask(TranslationTask):
 
     @property
     def streaming(self) -> bool:
-        return self.cfg.decoding in STREAMING
+        return str(self.cfg.decoding) in STREAMING
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
@@ -52,7 +51,7 @@ class StreamBeamTranslationTask(TranslationTask):
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
-        if self.cfg.decoding == "fairseq":
+        if str(self.cfg.decoding) == "fairseq":
             return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                            extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
@@ -72,11 +71,11 @@ class StreamBeamTranslationTask(TranslationTask):
             unk_penalty=getattr(args, "unkpen", 0),
             temperature=getattr(args, "temperature", 1.0),
             nbest=getattr(args, "nbest", 1),
-            decoding=self.cfg.decoding,
+            decoding=str(self.cfg.decoding),  # fairseq ChoiceEnum members -> plain strings
             delta=self.cfg.prune_abs_threshold,
             max_cands=self.cfg.prune_max_cands,
-            finalize=self.cfg.finalize,
-            stream_order=self.cfg.stream_order,
+            finalize=str(self.cfg.finalize),
+            stream_order=str(self.cfg.stream_order),
             budget=self.budget,
             refill_eps=self.cfg.refill_eps,
             max_wait=self.cfg.max_wait_steps,
@@ -93,12 +92,12 @@ class StreamBeamTranslationTask(TranslationTask):
 
 
 def _report_at_exit(gen: StreamBeamGenerator) -> None:
-    """Log the run's counters (decoder steps, expansions per step, time split) when the process ends."""
-    ref = weakref.ref(gen)
+    """Log the run's counters (decoder steps, expansions per step, time split) when the process
+    ends; only the counters are kept alive, not the generator and its models."""
+    counters, name = gen.counters, gen.mode.name
 
     def report() -> None:
-        g = ref()
-        if g is not None and g.counters.sentences:
-            logger.info("streambeam %s: %s", g.mode.name, g.counters.summary())
+        if counters.sentences:
+            logger.info("streambeam %s: %s", name, counters.summary())
 
     atexit.register(report)
