@@ -19,7 +19,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
-from ..runtime.cache import DecoderCache, check_incremental, needs_encoder_out_each_step
+from ..runtime.cache import DecoderCache, check_incremental, check_vocabulary, needs_encoder_out_each_step
 from ..runtime.counters import Counters
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.penalties import FairseqPenalties, source_max_len
@@ -150,6 +150,7 @@ class StreamBeamGenerator(SequenceGenerator):
             tokens_to_suppress=tokens_to_suppress,
         )
         check_incremental(self.model)
+        check_vocabulary(self.model, tgt_dict)
         self.mode = DecodeMode.resolve(decoding, self.beam_size, delta, max_cands, finalize, stream_order)
         self.pruning = self.mode.pruning
         self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, nbest)

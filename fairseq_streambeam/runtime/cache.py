@@ -101,6 +101,18 @@ def check_incremental(model: EnsembleModel) -> None:
                 mod.set_beam_size(1)
 
 
+def check_vocabulary(model: EnsembleModel, tgt_dict) -> None:
+    """A dictionary that does not match the checkpoint's output layer gives wrong ids silently."""
+    for m in model.models:
+        proj = getattr(m.decoder, "output_projection", None)
+        n_out = getattr(proj, "out_features", None)
+        if n_out is not None and n_out != len(tgt_dict):
+            raise ValueError(
+                f"target dictionary has {len(tgt_dict)} entries but the model predicts {n_out}: "
+                "the dictionary does not match the checkpoint"
+            )
+
+
 def needs_encoder_out_each_step(model: EnsembleModel) -> bool:
     """False for decoders that cache encoder-attention keys (fairseq's TransformerDecoderBase)."""
     from fairseq.models.transformer import TransformerDecoderBase

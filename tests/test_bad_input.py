@@ -1,0 +1,69 @@
+"""Bad input: a clear error or a defined output, never a traceback from inside the loop."""
+
+import pytest
+import torch
+from helpers import make_dict, make_sample, ours, random_sentences, random_transformer
+
+from fairseq_streambeam import Budget, StreamBeamGenerator
+
+D = make_dict(20)
+M = random_transformer(D, 31)
+
+
+@pytest.mark.parametrize("decoding", ["beam", "var-batch", "var-stream", "fixed-stream", "greedy"])
+def test_empty_source_gets_a_hypothesis(decoding):
+    """An empty line is its EOS alone; it is decoded like any source (defined output)."""
+    s = make_sample(D, [[], [5, 6, 7], []])
+    out, _ = ours([M], D, s, beam_size=3, max_len_b=8, decoding=decoding, budget=Budget(2))
+    assert len(out) == 3 and all(len(h) >= 1 for h in out)
+    assert all(h[0]["tokens"][-1].item() == D.eos() for h in out)
+
+
+def test_source_longer_than_model_positions_is_a_clear_error():
+    s = make_sample(D, [[5] * 300])
+    with pytest.raises(ValueError, match="more than the model's 256 source positions"):
+        ours([M], D, s, beam_size=2)
+
+
+def test_beam_larger_than_vocabulary_is_capped_like_fairseq():
+    from helpers import assert_same_hypos, fairseq_generate
+
+    s = make_sample(D, random_sentences(D, 3, 1))
+    ref = fairseq_generate([M], D, s, beam_size=100, max_len_b=5)
+    got, gen = ours([M], D, s, beam_size=100, max_len_b=5)
+    assert gen.beam_size == len(D) - 1
+    assert_same_hypos(ref, got)
+
+
+def test_unknown_symbols_decode():
+    s = make_sample(D, [[D.unk(), 5, D.unk()]])
+    out, _ = ours([M], D, s, beam_size=2, max_len_b=6, unk_penalty=1.0)
+    assert out[0][0]["tokens"][-1].item() == D.eos()
+
+
+def test_dictionary_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
+        StreamBeamGenerator([M], make_dict(25), beam_size=2)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(decoding="nope"), "unknown --decoding"),
+    (dict(decoding="beam", delta=1.0), "only apply to var-batch"),
+    (dict(decoding="var-batch", delta=0.0), "delta"),
+    (dict(decoding="var-batch", max_cands=-1), "prune-max-cands"),
+    (dict(decoding="var-stream", refill_eps=2.0), "refill-eps"),
+    (dict(decoding="var-stream", finalize="never"), "finalization rule"),
+    (dict(decoding="var-stream", stream_order="random"), "stream-order"),
+    (dict(min_len=50, max_len_b=10), "min-len"),
+])
+def test_bad_options_are_clear_errors(kw, match):
+    s = make_sample(D, [[5, 6]])
+    with pytest.raises(ValueError, match=match):
+        ours([M], D, s, beam_size=2, **kw)
+
+
+def test_constraints_are_refused():
+    s = make_sample(D, [[5, 6]])
+    gen = StreamBeamGenerator([M], D, beam_size=2)
+    with pytest.raises(NotImplementedError, match="constraints"):
+        gen.generate([M], s, constraints=torch.zeros(1, 3, dtype=torch.long))

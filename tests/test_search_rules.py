@@ -1,0 +1,104 @@
+"""Hand-computed cases for the pure parts: ranking, finalization rules, pruning, scheduling."""
+
+import math
+
+import torch
+
+from fairseq_streambeam.runtime.scheduler import Budget, Scheduler
+from fairseq_streambeam.search.beam_state import Beams, rank_candidates
+from fairseq_streambeam.search.finalize import FairseqFinalize, Ranked, StickyFinalize
+from fairseq_streambeam.search.pruning import Pruning
+
+EOS, PAD = 2, 1
+NEG = -math.inf
+
+
+def ranked(scores, tokens, carried=None):
+    s = torch.tensor(scores)
+    t = torch.tensor(tokens)
+    valid = s > NEG
+    c = torch.zeros_like(valid) if carried is None else torch.tensor(carried)
+    return Ranked(scores=s, parent=torch.zeros_like(t), token=t, valid=valid, is_eos=valid & (t == EOS), carried=c)
+
+
+def test_fairseq_rule_finalizes_eos_in_top_k_and_keeps_first_k_others():
+    r = ranked([[-1.0, -1.5, -2.0, -2.5]], [[EOS, 7, EOS, 8]])
+    final, keep = FairseqFinalize(beam_size=2).decide(r, torch.tensor([0]))
+    assert final.tolist() == [[True, False, False, False]]  # EOS at rank 2 is outside the top k=2
+    assert keep.tolist() == [[False, True, False, True]]
+
+
+def test_fairseq_rule_stops_at_k_finished():
+    r = ranked([[-1.0, -1.5, -2.0, -2.5]], [[EOS, EOS, 7, 8]])
+    final, _ = FairseqFinalize(beam_size=2).decide(r, torch.tensor([1]))
+    assert final.tolist() == [[True, False, False, False]]
+
+
+def test_sticky_rule_finalizes_only_a_leading_run_of_ended():
+    r = ranked([[-1.0, -1.2, -1.5]], [[PAD, 7, EOS]], carried=[[True, False, False]])
+    final, keep = StickyFinalize(beam_size=3, nbest=1).decide(r, torch.tensor([0]))
+    assert final.tolist() == [[True, False, False]]
+    assert keep.tolist() == [[False, True, True]]  # the EOS at rank 2 stays on the beam, not final
+    r = ranked([[-1.0, -1.2, -1.5]], [[7, EOS, 8]])
+    final, keep = StickyFinalize(beam_size=3, nbest=1).decide(r, torch.tensor([0]))
+    assert not final.any() and keep.tolist() == [[True, True, True]]
+
+
+def test_sticky_width_shrinks_with_finished():
+    r = ranked([[-1.0, -1.2, -1.5]], [[7, 8, 9]])
+    _, keep = StickyFinalize(beam_size=3, nbest=3).decide(r, torch.tensor([2]))
+    assert keep.tolist() == [[True, False, False]]
+
+
+def test_threshold_is_relative_to_best_of_candidates_and_finished():
+    p = Pruning(beam_size=4, delta=1.0)
+    s = torch.tensor([[-1.0, -1.9, -2.1, NEG]])
+    keep = p.threshold_keep(s, s > NEG, torch.tensor([NEG]))
+    assert keep.tolist() == [[True, True, False, False]]
+    keep = p.threshold_keep(s, s > NEG, torch.tensor([-0.5]))  # a better finished hypothesis
+    assert keep.tolist() == [[True, False, False, False]]
+
+
+def test_rank_candidates_two_sources_and_max_cands():
+    # source 0 has two live parents, source 1 one; vocab 5 (pad=1, eos=2)
+    beams = Beams(tokens=torch.full((3, 2), EOS), cum=torch.tensor([[-1.0], [-2.0], [-0.5]]),
+                  src=torch.tensor([0, 0, 1]), live=torch.ones(3, dtype=torch.bool))
+    lp = torch.log(torch.tensor([
+        [0.1, 0.0, 0.2, 0.3, 0.4],
+        [0.0, 0.0, 0.1, 0.1, 0.8],
+        [0.5, 0.0, 0.1, 0.2, 0.2],
+    ]))
+    r = rank_candidates(beams, lp, 2, Pruning(beam_size=2, max_cands=1), ranked=4, eos=EOS, pad=PAD)
+    # M=1: one child per parent; source 0 -> parent 0 token 4 (-1+log .4), parent 1 token 4 (-2+log .8)
+    assert r.token[0, :2].tolist() == [4, 4] and r.parent[0, :2].tolist() == [0, 1]
+    assert torch.allclose(r.scores[0, :2], torch.tensor([-1 + math.log(0.4), -2 + math.log(0.8)]))
+    assert r.token[1, 0].item() == 0 and r.parent[1, 0].item() == 2
+    assert not r.valid[1, 1:].any()  # one parent with M=1 gives one candidate
+
+
+def test_rank_carries_finished_rows_unchanged():
+    beams = Beams(tokens=torch.full((2, 2), EOS), cum=torch.tensor([[-0.1], [-1.0]]),
+                  src=torch.tensor([0, 0]), live=torch.tensor([False, True]))
+    lp = torch.log(torch.tensor([[0.1, 0.0, 0.1, 0.4, 0.4]]))
+    r = rank_candidates(beams, lp, 1, Pruning(beam_size=2), ranked=2, eos=EOS, pad=PAD)
+    assert r.carried[0, 0] and r.scores[0, 0].item() == beams.cum[0, 0].item() and r.parent[0, 0].item() == 0
+
+
+def test_scheduler_refill_and_pick():
+    s = Scheduler("min-length", Budget(max_sentences=6), refill_eps=0.5)
+    assert s.should_refill(0, 0) and s.should_refill(2, 0) and not s.should_refill(3, 0)
+    assert s.admit(2, 10, [3, 3, 3, 3, 3, 3]) == 4
+    s = Scheduler("min-length", Budget(max_tokens=10), refill_eps=0.5)
+    assert s.admit(0, 0, [4, 4, 4]) == 2
+    assert s.admit(0, 0, [40]) == 1  # a source over the budget still gets in alone
+    b = Scheduler("batch", Budget(max_sentences=6))
+    assert not b.should_refill(1, 0)
+
+    class C:
+        def __init__(self, length, waited, serial):
+            self.length, self.waited, self.first_serial = length, waited, serial
+
+    cs = [C(5, 0, 0), C(2, 1, 10), C(7, 4, 3)]
+    assert s.pick(cs) == 1
+    assert Scheduler("fifo", Budget(4)).pick(cs) == 0
+    assert Scheduler("min-length", Budget(4), max_wait=4).pick(cs) == 2
