@@ -13,6 +13,7 @@ torch.serialization.add_safe_globals([argparse.Namespace])
 from . import task  # noqa: E402,F401  (registers the task with fairseq)
 from .generators.stream_beam import StreamBeamGenerator  # noqa: E402
 from .runtime.scheduler import Budget  # noqa: E402
+from .task import attach_to_hub  # noqa: E402
 
-__all__ = ["StreamBeamGenerator", "Budget"]
+__all__ = ["StreamBeamGenerator", "Budget", "attach_to_hub"]
 __version__ = "0.1.0"

@@ -101,3 +101,18 @@ def _report_at_exit(gen: StreamBeamGenerator) -> None:
             logger.info("streambeam %s: %s", name, counters.summary())
 
     atexit.register(report)
+
+
+def attach_to_hub(hub, **options):
+    """Make a fairseq hub interface (`TransformerModel.from_pretrained(...)`) decode through this
+    plugin's task, e.g. `attach_to_hub(hub, decoding="var-stream")`; returns the hub."""
+    import dataclasses
+
+    old = hub.task
+    names = {f.name for f in dataclasses.fields(StreamBeamConfig)}
+    base = {k: getattr(old.cfg, k) for k in names if hasattr(old.cfg, k) and k not in options}
+    base.setdefault("train_subset", "train")
+    base.setdefault("required_seq_len_multiple", 1)
+    hub.task = StreamBeamTranslationTask(StreamBeamConfig(**{**base, **options}), old.source_dictionary,
+                                         old.target_dictionary)
+    return hub

@@ -103,3 +103,31 @@ def test_contradictory_flags_are_rejected(tiny_run):
     r = generate(tiny_run, "--decoding", "beam", "--prune-abs-threshold", "1.0", "--batch-size", "4")
     assert r.returncode != 0
     assert "only apply to var-batch and var-stream" in r.stderr
+
+
+def test_fairseq_interactive(tiny_run):
+    data, ckpt = tiny_run
+    r = _run([str(BIN / "fairseq-interactive"), str(data), "--user-dir", str(REPO / "fairseq_streambeam"),
+              "--task", "streambeam_translation", "--path", str(ckpt), "-s", "src", "-t", "tgt", "--cpu",
+              "--beam", "4", "--decoding", "var-stream", "--batch-size", "2", "--buffer-size", "3"],
+             input="w1 w2 w3\nw4\n\nw5 w6\n")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(int(i) for i in re.findall(r"^H-(\d+)\t", r.stdout, re.M)) == [0, 1, 2, 3]
+
+
+def test_hub_interface(tiny_run):
+    from fairseq.models.transformer import TransformerModel
+
+    from fairseq_streambeam import attach_to_hub
+
+    data, ckpt = tiny_run
+    hub = TransformerModel.from_pretrained(str(ckpt.parent), ckpt.name, data_name_or_path=str(data),
+                                           source_lang="src", target_lang="tgt")
+    sents = ["w1 w2 w3", "w4", "w5 w6 w7 w8", "w9 w1"]
+    ref = hub.translate(sents, beam=4)
+    attach_to_hub(hub, decoding="beam")
+    assert type(hub.task).__name__ == "StreamBeamTranslationTask"
+    assert hub.translate(sents, beam=4) == ref
+    attach_to_hub(hub, decoding="var-stream")
+    out = hub.translate(sents, beam=4)
+    assert len(out) == 4 and all(isinstance(x, str) for x in out)
