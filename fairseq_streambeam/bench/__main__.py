@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--prune-abs-threshold", type=float, default=None)
     p.add_argument("--prune-max-cands", type=int, default=None)
     p.add_argument("--refill-eps", type=float, default=1 / 6)
+    p.add_argument("--finalize", default="auto", choices=["auto", "fairseq", "sticky"],
+                   help="finalization rule for our methods (auto: sticky for var-*)")
     p.add_argument("--limit", type=int, default=0, help="decode every k-th sentence so that about this many "
                                                        "remain (0 = all)")
     p.add_argument("--repeats", type=int, default=1)
@@ -98,6 +100,7 @@ def main(argv=None):
             task.cfg.prune_abs_threshold = args.prune_abs_threshold if m.startswith("var-") else None
             task.cfg.prune_max_cands = args.prune_max_cands if m.startswith("var-") else None
             task.cfg.refill_eps = args.refill_eps
+            task.cfg.finalize = args.finalize
             task.cfg.stream_window = args.stream_window
             g_args = argparse.Namespace(**vars(gen_args))
             itr = task.get_batch_iterator(dataset, max_sentences=args.batch_size,
