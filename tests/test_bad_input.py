@@ -67,3 +67,35 @@ def test_constraints_are_refused():
     gen = StreamBeamGenerator([M], D, beam_size=2)
     with pytest.raises(NotImplementedError, match="constraints"):
         gen.generate([M], s, constraints=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_source_with_no_finite_candidate_gets_the_defined_hypothesis():
+    """Every word and <s> suppressed, unk priced at +inf, EOS banned by min-len: nothing is finite.
+    fairseq would assert; here the source gets EOS with score -inf (README, 'Differences')."""
+    import math
+
+    words = (D[D.bos()],) + tuple(D[i] for i in range(D.nspecial, len(D)))
+    s = make_sample(D, [[5, 6], [7]])
+    out, _ = ours([M], D, s, beam_size=3, max_len_b=5, tokens_to_suppress=words, unk_penalty=math.inf)
+    for h in out:
+        assert len(h) == 1 and h[0]["tokens"].tolist() == [D.eos()] and h[0]["score"].item() == -math.inf
+
+
+def test_prefix_with_eos_ends_the_hypothesis_there():
+    s = make_sample(D, [[5, 6, 7]])
+    prefix = torch.tensor([[8, D.eos(), D.pad()]])
+    out = StreamBeamGenerator([M], D, beam_size=3, max_len_b=6).generate([M], s, prefix_tokens=prefix)
+    assert len(out[0]) == 1 and out[0][0]["tokens"].tolist() == [8, D.eos()]
+
+
+def test_max_len_a_uses_each_sources_own_length():
+    """With max_len_a != 0 fairseq's limit depends on the padded batch width; ours does not: the
+    batched output equals fairseq decoding each source in a batch of its own."""
+    from helpers import assert_same_hypos, fairseq_generate
+
+    sents = [[5] * 2, [6] * 9, [7, 8, 9]]
+    kw = dict(beam_size=3, max_len_a=0.5, max_len_b=1)
+    s = make_sample(D, sents)
+    got, _ = ours([M], D, s, **kw)
+    alone = [fairseq_generate([M], D, make_sample(D, [sents[i]]), **kw)[0] for i in s["id"].tolist()]
+    assert_same_hypos(alone, got)

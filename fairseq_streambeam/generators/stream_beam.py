@@ -9,6 +9,7 @@ the schedule changes speed, never output.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -199,7 +200,7 @@ class StreamBeamGenerator(SequenceGenerator):
             live = sum(len(c.ids) for c in cohorts)
             unstepped = any(c.length == 0 for c in cohorts)
             if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens):
-                take = self.scheduler.admit(live, live_tokens, _lazy(lengths, next_src))
+                take = self.scheduler.admit(live, live_tokens, itertools.islice(lengths, next_src, None))
                 if take:
                     new = list(range(next_src, next_src + take))
                     next_src += take
@@ -391,11 +392,6 @@ class StreamBeamGenerator(SequenceGenerator):
 
     def _tock(self, t: float) -> float:
         return self._tick() - t
-
-
-def _lazy(lengths: List[int], start: int):
-    for i in range(start, len(lengths)):
-        yield lengths[i]
 
 
 def _max_source_positions(model) -> int:
