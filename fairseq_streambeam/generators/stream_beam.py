@@ -85,13 +85,15 @@ class Cohort:
         self.first_serial = serial
         self.n_final = torch.zeros(len(ids), dtype=torch.long, device=device)
         self.best_final = torch.full((len(ids),), -math.inf, dtype=dtype, device=device)
-        self.live_h = np.ones(beams.rows, dtype=bool)  # host mirrors of beams.live / beams.length
+        self.live_h = np.ones(beams.rows, dtype=bool)  # host mirrors of beams.live / row lengths
         self.len_h = np.zeros(beams.rows, dtype=np.int64)
+        self.cache_src_h = np.arange(len(ids))  # cohort-local source of each decoder-cache row
 
     @staticmethod
     def merge(a: Cohort, b: Cohort) -> Cohort:
         assert a.length == b.length
-        a.beams = Beams.cat([a.beams, b.beams], [0, len(a.ids)])
+        off = len(a.ids)  # b's sources follow a's
+        a.beams = Beams.cat([a.beams, b.beams], [0, off])
         a.cache = DecoderCache.cat([a.cache, b.cache])
         a.ids = a.ids + b.ids
         a.max_len = a.max_len + b.max_len
@@ -101,6 +103,7 @@ class Cohort:
         a.best_final = torch.cat([a.best_final, b.best_final])
         a.live_h = np.concatenate([a.live_h, b.live_h])
         a.len_h = np.concatenate([a.len_h, b.len_h])
+        a.cache_src_h = np.concatenate([a.cache_src_h, b.cache_src_h + off])
         a.waited = 0
         a.first_serial = min(a.first_serial, b.first_serial)
         return a
@@ -322,7 +325,10 @@ class StreamBeamGenerator(SequenceGenerator):
         )
         c.len_h = np.where(carried, c.len_h[parents], L + 1)
         cache_row = np.cumsum(c.live_h) - 1
-        c.cache.reorder(torch.from_numpy(cache_row[parents[new_live]]).to(dev))
+        row_src_old = (kp // R)[new_live]  # source of each new cache row, old numbering
+        moved = not np.array_equal(row_src_old, c.cache_src_h)
+        c.cache.reorder(torch.from_numpy(cache_row[parents[new_live]]).to(dev), sources_moved=moved)
+        c.cache_src_h = new_src_of[row_src_old]
         c.live_h = new_live
 
         done_ids = [c.ids[j] for j in np.flatnonzero(done_h)]

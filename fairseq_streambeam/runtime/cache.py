@@ -53,10 +53,14 @@ class DecoderCache:
         if not self.keep_encoder_out:
             self.encoder_outs = None
 
-    def reorder(self, rows: Tensor) -> None:
-        """Keep rows `rows` (with repetition) of every buffer: follow beam back-pointers."""
+    def reorder(self, rows: Tensor, sources_moved: bool = True) -> None:
+        """Keep rows `rows` (with repetition) of every buffer: follow beam back-pointers.
+
+        Encoder-attention buffers depend only on a row's source; when every new row i belongs to
+        the same source as old row i (`sources_moved=False`, e.g. fixed beams between finishes),
+        their copy is skipped: it is most of the reorder cost for wide beams."""
         for m, state in zip(self.model.models, self.states):
-            reorder_incremental_state(m.decoder, state, rows)
+            reorder_incremental_state(m.decoder, state, rows, reorder_encoder_attn=sources_moved)
 
     def select_sources(self, keep: Tensor) -> None:
         """Keep only the source rows `keep` of the stored encoder outputs (finished sources leave)."""
@@ -137,16 +141,20 @@ def encoder_out_stand_in(model: EnsembleModel, rows: int, device: torch.device) 
     return outs
 
 
-def reorder_incremental_state(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor) -> None:
+def reorder_incremental_state(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor,
+                              reorder_encoder_attn: bool = True) -> None:
     """Like fairseq's `reorder_incremental_state_scripting`, but correct for variable-width beams.
 
     fairseq's MultiheadAttention.reorder_incremental_state returns early for encoder-decoder
     attention when the row count is unchanged (it assumes fixed beams where those rows are
     identical copies); with variable widths rows of different sources move, so its buffers are
-    index-selected here. Other modules keep their own reorder.
+    index-selected here (or left alone when the caller knows no row changed source). Other
+    modules keep their own reorder.
     """
     for module in decoder.modules():
         if isinstance(module, MultiheadAttention):
+            if module.encoder_decoder_attention and not reorder_encoder_attn:
+                continue
             buf = module._get_input_buffer(state)
             if buf:
                 for key, val in buf.items():
