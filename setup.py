@@ -15,6 +15,8 @@ INSTALL_REQUIRES = [
     "sentencepiece==0.2.3",
     "tqdm",
 ]
+# plots, and CTranslate2 as a reference decoder in the benchmark
+BENCH = ["matplotlib>=3.8", "ctranslate2>=4.5"]
 
 setup(
     name="fairseq-streambeam",
@@ -26,8 +28,10 @@ setup(
     packages=find_packages(include=["fairseq_streambeam", "fairseq_streambeam.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
-        # fastBPE (WMT'19 models) needs: pip install cython setuptools wheel &&
-        #   pip install --no-build-isolation fastBPE==0.1.0   (see README)
+        "bench": BENCH,
+        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", *BENCH],
+        # WMT'19 models: moses tokenization; fastBPE must be built by hand (see README):
+        #   pip install cython setuptools wheel && pip install --no-build-isolation fastBPE==0.1.0
+        "wmt19": ["sacremoses"],
     },
 )

@@ -97,7 +97,9 @@ def _report_at_exit(gen: StreamBeamGenerator) -> None:
     counters, name = gen.counters, gen.mode.name
 
     def report() -> None:
-        if counters.sentences:
+        # under a test runner the logging streams may already be closed at exit
+        streams = [getattr(h, "stream", None) for h in logging.getLogger().handlers + logger.handlers]
+        if counters.sentences and not any(getattr(st, "closed", False) for st in streams):
             logger.info("streambeam %s: %s", name, counters.summary())
 
     atexit.register(report)

@@ -1,6 +1,42 @@
 import os
+import random
 
+import pytest
 import torch
+from helpers import BIN, N_TEST, run_cli
 
 # Benchmarks and tests set threads explicitly: oversubscription made fairseq 60x slower here.
 torch.set_num_threads(int(os.environ.get("STREAMBEAM_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A real fairseq data-bin and a checkpoint trained for a few updates (no ../shared needed);
+    the raw test.src/test.tgt stay beside it for raw-text runs."""
+    root = tmp_path_factory.mktemp("tiny")
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(24)]
+
+    def write(name, n):
+        src, tgt = [], []
+        for _ in range(n):
+            s = [rng.choice(words) for _ in range(rng.randint(1, 10))]
+            src.append(" ".join(s))
+            tgt.append(" ".join(reversed(s)))
+        (root / f"{name}.src").write_text("\n".join(src) + "\n")
+        (root / f"{name}.tgt").write_text("\n".join(tgt) + "\n")
+
+    write("train", 300)
+    write("test", N_TEST)
+    r = run_cli([str(BIN / "fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+              "--trainpref", str(root / "train"), "--testpref", str(root / "test"),
+              "--destdir", str(root / "bin"), "--joined-dictionary", "--workers", "1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli([str(BIN / "fairseq-train"), str(root / "bin"), "--arch", "transformer", "--encoder-layers", "1",
+              "--decoder-layers", "1", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+              "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
+              "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "2000",
+              "--max-update", "30", "--save-dir", str(root / "ckpt"), "--no-epoch-checkpoints",
+              "--cpu", "--seed", "1", "--no-progress-bar", "--disable-validation"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return root / "bin", root / "ckpt" / "checkpoint_last.pt"

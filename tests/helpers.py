@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,6 +20,8 @@ import fairseq_streambeam  # noqa: F401  (registers the task, safe globals)
 from fairseq_streambeam import StreamBeamGenerator
 
 REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+N_TEST = 61  # sentences of the tiny CLI test set: not a multiple of the batch sizes used, nor of 8
 SHARED = Path(os.environ.get("STREAMBEAM_SHARED", REPO.parent / "shared"))
 
 
@@ -116,3 +120,10 @@ def assert_same_hypos(a, b, nbest: Optional[int] = None, atol: float = 1e-4, msg
             assert abs(float(x["score"]) - float(y["score"])) <= atol, f"{msg} sentence {i} hypo {j} score"
             assert torch.allclose(x["positional_scores"].float(), y["positional_scores"].float(), atol=atol), \
                 f"{msg} sentence {i} hypo {j} positional scores"
+
+
+def run_cli(args, env_extra=None, **kw):
+    """Run a console script with one thread and a minimal environment."""
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin",
+           **(env_extra or {})}
+    return subprocess.run(args, capture_output=True, text=True, env=env, **kw)

@@ -1,54 +1,11 @@
 """Invariant 4 end to end: through `fairseq-generate --user-dir`, every input id answers exactly
 once, whatever the decoding, batch size and window; `--decoding beam` prints what fairseq prints."""
 
-import random
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers import REPO
-
-N_TEST = 61  # not a multiple of the batch sizes used, nor of fairseq's default multiple 8
-BIN = Path(sys.executable).parent
-
-
-def _run(args, **kw):
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin"}
-    return subprocess.run(args, capture_output=True, text=True, env=env, **kw)
-
-
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    """A real fairseq data-bin and a checkpoint trained for a few updates (no ../shared needed)."""
-    root = tmp_path_factory.mktemp("tiny")
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(24)]
-
-    def write(name, n):
-        src, tgt = [], []
-        for _ in range(n):
-            s = [rng.choice(words) for _ in range(rng.randint(1, 10))]
-            src.append(" ".join(s))
-            tgt.append(" ".join(reversed(s)))
-        (root / f"{name}.src").write_text("\n".join(src) + "\n")
-        (root / f"{name}.tgt").write_text("\n".join(tgt) + "\n")
-
-    write("train", 300)
-    write("test", N_TEST)
-    r = _run([str(BIN / "fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-              "--trainpref", str(root / "train"), "--testpref", str(root / "test"),
-              "--destdir", str(root / "bin"), "--joined-dictionary", "--workers", "1"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = _run([str(BIN / "fairseq-train"), str(root / "bin"), "--arch", "transformer", "--encoder-layers", "1",
-              "--decoder-layers", "1", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-              "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
-              "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "2000",
-              "--max-update", "30", "--save-dir", str(root / "ckpt"), "--no-epoch-checkpoints",
-              "--cpu", "--seed", "1", "--no-progress-bar", "--disable-validation"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    return root / "bin", root / "ckpt" / "checkpoint_last.pt"
+from helpers import BIN, N_TEST, REPO
+from helpers import run_cli as _run
 
 
 def generate(tiny_run, *extra):

@@ -1,15 +1,14 @@
 """Benchmark: decode one test set with several methods side by side in ONE process.
 
-Methods run interleaved over repeats (A B C A B C ...) so machine noise hits all alike; each goes
-through the same task API as fairseq-generate (batching, windows, build_generator). Prints a
-Markdown table and writes JSON. Example (../shared models):
+Methods run interleaved over repeats (A B C A B C ...) so machine noise hits all alike; ours and
+fairseq's go through the same task API as fairseq-generate (batching, windows, build_generator).
+Writes a Markdown table (paper Table 1 shape), JSON and PNG plots to --out. Example:
 
   python -m fairseq_streambeam.bench --data ../shared/models/deen-tiny/data-bin \
       --path ../shared/models/deen-tiny/checkpoint_best.pt -s de -t en --beam 5 --limit 500
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -19,140 +18,245 @@ from pathlib import Path
 
 import torch
 
-METHODS = ("fairseq", "beam", "var-batch", "var-stream", "fixed-stream", "greedy")
+from .variants import BUILTIN, Variant, load_config, parse_methods
+
+DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
+                stream_window=32, repeats=1, threads=1, limit=0, finalize="auto",
+                methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True, help="fairseq data-bin directory")
+    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.bench",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True, help="fairseq data-bin (or a directory with the dictionaries)")
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
     p.add_argument("-t", "--target-lang", required=True)
-    p.add_argument("--gen-subset", default="test")
-    p.add_argument("--methods", default="fairseq,beam,var-batch,var-stream",
-                   help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--baseline", default="fairseq", help="method the time ratios are relative to")
-    p.add_argument("--exact-ref", default="beam", help="method whose outputs define 'identical'")
-    p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--lenpen", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=64, help="sentences decoded together (the paper's n)")
-    p.add_argument("--stream-window", type=int, default=32)
-    p.add_argument("--prune-abs-threshold", type=float, default=None)
-    p.add_argument("--prune-max-cands", type=int, default=None)
-    p.add_argument("--refill-eps", type=float, default=1 / 6)
-    p.add_argument("--finalize", default="auto", choices=["auto", "fairseq", "sticky"],
-                   help="finalization rule for our methods (auto: sticky for var-*)")
-    p.add_argument("--limit", type=int, default=0, help="decode every k-th sentence so that about this many "
-                                                       "remain (0 = all)")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch/OMP threads (set explicitly: oversubscribed "
-                                                         "threads made fairseq 60x slower here)")
-    p.add_argument("--post-process", default="sentencepiece")
-    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--gen-subset", default="test", help="data-bin split (when --src is not given)")
+    p.add_argument("--src", help="raw source file (instead of a data-bin split); needs --ref")
+    p.add_argument("--ref", help="raw (detokenized) reference file")
+    p.add_argument("--tokenizer", default="none", help="fairseq tokenizer for --src: none, moses, ...")
+    p.add_argument("--bpe", default="none", help="fairseq BPE for --src: none, fastbpe, sentencepiece, ...")
+    p.add_argument("--bpe-codes", help="fastBPE codes (with --bpe fastbpe)")
+    p.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
+    p.add_argument("--post-process", default="sentencepiece",
+                   help="how a data-bin's tokens are detokenized for BLEU (fairseq --post-process)")
+    p.add_argument("--config", help="JSON with settings and variants (see configs/)")
+    p.add_argument("--methods", help=f"comma-separated built-ins: {','.join(BUILTIN)} "
+                                     f"(default {DEFAULTS['methods']})")
+    p.add_argument("--baseline", help="method the time ratios are relative to (default fairseq)")
+    p.add_argument("--exact-ref", help="method whose outputs define 'identical' (default beam)")
+    p.add_argument("--beam", type=int)
+    p.add_argument("--lenpen", type=float)
+    p.add_argument("--max-len-b", type=int)
+    p.add_argument("--batch-size", type=int, help="sentences decoded together (the paper's n; default 64)")
+    p.add_argument("--max-tokens", type=int, help="source-token budget instead of / besides --batch-size")
+    p.add_argument("--stream-window", type=int)
+    p.add_argument("--refill-eps", type=float)
+    p.add_argument("--finalize", choices=["auto", "fairseq", "sticky"])
+    p.add_argument("--limit", type=int, help="decode an evenly spaced subset of about this many sentences")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--threads", type=int, help="torch/OMP threads, set explicitly (default 1): oversubscribed "
+                                               "threads made fairseq 60x slower here")
+    p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
+
+
+def resolve(args):
+    """Settings: command line over config file over DEFAULTS; variants likewise."""
+    config, variants = load_config(args.config) if args.config else ({}, [])
+    settings = {}
+    for key, default in DEFAULTS.items():
+        cli = getattr(args, key, None)
+        settings[key] = cli if cli is not None else config.get(key, default)
+    unknown = set(config) - set(DEFAULTS)
+    if unknown:
+        raise SystemExit(f"{args.config}: unknown settings {sorted(unknown)}")
+    if args.methods or not variants:
+        variants = parse_methods(settings["methods"])
+    return settings, variants
 
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
+    settings, variants = resolve(args)
+    threads = settings["threads"]
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
     import sacrebleu
     from fairseq import checkpoint_utils, utils
-    from fairseq.data import LanguagePairDataset
+    from tqdm import tqdm
 
     import fairseq_streambeam  # noqa: F401
     from fairseq_streambeam.options import StreamBeamConfig
     from fairseq_streambeam.task import StreamBeamTranslationTask
 
-    methods = [m for m in args.methods.split(",") if m]
-    for m in methods:
-        if m not in METHODS:
-            sys.exit(f"unknown method {m!r}; choose from {METHODS}")
+    from . import data as bench_data
+    from .memory import PeakMemory
+    from .report import markdown_table, write_json, write_plots
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
-          f"| {platform.processor() or platform.machine()} | torch {torch.__version__}", flush=True)
+          f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
+          f"{'cuda' if torch.cuda.is_available() else 'cpu'}", flush=True)
 
     # the three fields fairseq fills from its dataset config by interpolation
     cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
                            train_subset="train", dataset_impl=None, required_seq_len_multiple=1)
     task = StreamBeamTranslationTask.setup_task(cfg)
     models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=task)
+    use_cuda = torch.cuda.is_available()
     for m in models:
         m.eval()
-    task.load_dataset(args.gen_subset)
-    dataset = task.dataset(args.gen_subset)
-    if args.limit and args.limit < len(dataset):
-        keep = list(range(0, len(dataset), len(dataset) // args.limit))[: args.limit]
-        src = [dataset.src[i] for i in keep]
-        tgt_items = [dataset.tgt[i] for i in keep]
-        dataset = LanguagePairDataset(src, [len(x) for x in src], task.source_dictionary, tgt_items,
-                                      [len(x) for x in tgt_items], task.target_dictionary)
-    tgt = task.target_dictionary
-    refs = {i: tgt.string(dataset[i]["target"], args.post_process) for i in range(len(dataset))}
-    print(f"{len(dataset)} sentences from {args.data} ({args.gen_subset}), beam {args.beam}, "
-          f"batch {args.batch_size}", flush=True)
+        if use_cuda:
+            m.cuda()
+    if args.src:
+        if not args.ref:
+            raise SystemExit("--src needs --ref")
+        ts = bench_data.from_raw(task, args.src, args.ref, settings["limit"], args.tokenizer, args.bpe,
+                                 args.bpe_codes, args.sentencepiece_model)
+    else:
+        ts = bench_data.from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
+    n = len(ts.dataset)
+    print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']}, "
+          f"{settings['repeats']} repeat(s): {', '.join(v.name for v in variants)}", flush=True)
 
-    gen_args = argparse.Namespace(beam=args.beam, lenpen=args.lenpen, max_len_a=0, max_len_b=200, min_len=1,
-                                  unkpen=0, temperature=1.0, nbest=1, unnormalized=False)
-    results = {m: {"times": [], "hyps": None, "counters": None} for m in methods}
-    for rep in range(args.repeats):
-        for m in methods:
-            task.cfg.decoding = "greedy" if m == "greedy" else m
-            task.cfg.prune_abs_threshold = args.prune_abs_threshold if m.startswith("var-") else None
-            task.cfg.prune_max_cands = args.prune_max_cands if m.startswith("var-") else None
-            task.cfg.refill_eps = args.refill_eps
-            task.cfg.finalize = args.finalize
-            task.cfg.stream_window = args.stream_window
-            g_args = argparse.Namespace(**vars(gen_args))
-            itr = task.get_batch_iterator(dataset, max_sentences=args.batch_size,
-                                          disable_iterator_cache=True).next_epoch_itr(shuffle=False)
-            gen = task.build_generator(models, g_args)
-            hyps = {}
-            t0 = time.perf_counter()
-            for sample in itr:
-                out = task.inference_step(gen, models, sample)
-                for i, sid in enumerate(sample["id"].tolist()):
-                    hyps[sid] = out[i][0]["tokens"].tolist()
-            dt = time.perf_counter() - t0
-            results[m]["times"].append(dt)
-            results[m]["hyps"] = hyps
-            results[m]["counters"] = gen.counters.as_dict() if hasattr(gen, "counters") else None
-            print(f"  repeat {rep + 1}/{args.repeats} {m:13s} {dt:8.2f}s", flush=True)
+    ct2 = _ct2_translator(args, variants, threads)
+    runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0} for v in variants}
+    for rep in range(settings["repeats"]):
+        for v in variants:
+            bar = tqdm(total=n, desc=f"{rep + 1}/{settings['repeats']} {v.name}", disable=args.quiet,
+                       leave=False, file=sys.stderr)
+            with PeakMemory() as mem:
+                t0 = time.perf_counter()
+                if v.decoding == "ct2":
+                    hyps, counters = _run_ct2(ct2, v, settings, ts, task.target_dictionary)
+                    bar.update(n)
+                else:
+                    hyps, counters = _run_fairseq_task(task, models, v, settings, ts, bar, use_cuda)
+                dt = time.perf_counter() - t0
+            bar.close()
+            r = runs[v.name]
+            r["times"].append(dt)
+            r["hyps"], r["counters"] = hyps, counters
+            r["peak"] = max(r["peak"], mem.peak_mb)
+            print(f"  repeat {rep + 1}/{settings['repeats']} {v.name:24s} {dt:9.2f}s", flush=True)
 
-    base = statistics.median(results[args.baseline]["times"]) if args.baseline in results else None
-    exact = results.get(args.exact_ref, {}).get("hyps")
-    rows = []
-    ids = sorted(refs)
-    for m in methods:
-        r = results[m]
-        hyp_txt = [tgt.string(torch.tensor(r["hyps"][i]), args.post_process) for i in ids]
-        bleu = sacrebleu.corpus_bleu(hyp_txt, [[refs[i] for i in ids]])
-        chrf = sacrebleu.corpus_chrf(hyp_txt, [[refs[i] for i in ids]])
-        med = statistics.median(r["times"])
-        c = r["counters"] or {}
+    rows, traces = [], {}
+    base = runs.get(settings["baseline"])
+    base_t = statistics.median(base["times"]) if base else None
+    exact = runs.get(settings["exact_ref"], {}).get("hyps")
+    refs = [ts.refs]
+    for v in variants:
+        r = runs[v.name]
+        hyp_txt = [ts.decode(r["hyps"][i]) for i in range(n)]
+        c = r["counters"]
+        mean = statistics.mean(r["times"])
         rows.append({
-            "method": m, "bleu": round(bleu.score, 2), "chrf": round(chrf.score, 2), "seconds_median": round(med, 3),
-            "seconds_spread": round(max(r["times"]) - min(r["times"]), 3),
-            "ratio_to_baseline": round(med / base, 3) if base else None,
-            "decoder_steps": c.get("decoder_steps"), "expansions": c.get("expansions"),
-            "expansions_per_step": c.get("expansions_per_step"),
-            "model_seconds": round(c["model_seconds"], 3) if c else None,
-            "sentences_per_second": round(len(ids) / med, 2),
-            "identical_to_exact_ref": (round(sum(r["hyps"][i] == exact[i] for i in ids) / len(ids), 4)
-                                       if exact else None),
+            "method": v.name, "variant": v.as_dict(),
+            "bleu": round(sacrebleu.corpus_bleu(hyp_txt, refs).score, 2),
+            "chrf": round(sacrebleu.corpus_chrf(hyp_txt, refs).score, 2),
+            "seconds_mean": round(mean, 3),
+            "seconds_std": round(statistics.stdev(r["times"]), 3) if len(r["times"]) > 1 else 0.0,
+            "seconds_median": round(statistics.median(r["times"]), 3),
+            "ratio_to_baseline": round(statistics.median(r["times"]) / base_t, 3) if base_t else None,
+            "decoder_steps": c.decoder_steps if c else None,
+            "expansions": c.expansions if c else None,
+            "expansions_per_step": round(c.expansions_per_step, 2) if c else None,
+            "padding_share": round(c.padding_share, 3) if c else None,
+            "model_seconds": round(c.model_seconds / settings["repeats"], 3) if c else None,
+            "peak_mb": r["peak"],
+            "sentences_per_second": round(n / mean, 2),
+            "identical_to_exact_ref": round(sum(r["hyps"][i] == exact[i] for i in range(n)) / n, 4) if exact else None,
         })
-    head = ("| method | BLEU | chrF | time (s) | x baseline | steps | expansions | exp/step | model s | sent/s "
-            "| identical |")
+        if c is not None and c.trace:
+            traces[v.name] = c.trace
+    table = markdown_table(rows)
     print()
-    print(head)
-    print("|" + "---|" * 11)
-    for r in rows:
-        print("| {method} | {bleu} | {chrf} | {seconds_median} | {ratio_to_baseline} | {decoder_steps} | {expansions} "
-              "| {expansions_per_step} | {model_seconds} | {sentences_per_second} | {identical_to_exact_ref} |"
-              .format(**r))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "sentences": len(ids),
-                                               "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    print(table)
+    meta = {"settings": settings, "sentences": n, "threads": threads, "device": "cuda" if use_cuda else "cpu",
+            "torch": torch.__version__, "data": args.src or f"{args.data}:{args.gen_subset}", "path": args.path}
+    write_json(out_dir / "results.json", meta, rows, traces)
+    (out_dir / "results.md").write_text(table + "\n")
+    if not args.no_plots:
+        for p in write_plots(out_dir, rows, traces):
+            print(f"wrote {p}")
+    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
     return rows
+
+
+def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:
+    return argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
+                              max_len_b=settings["max_len_b"], min_len=1, unkpen=0, temperature=1.0, nbest=1,
+                              unnormalized=False)
+
+
+def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cuda: bool):
+    """One pass through the task API, exactly as fairseq-generate drives it."""
+    from fairseq import utils
+
+    task.cfg.decoding = "fairseq" if v.decoding == "fairseq-greedy" else v.decoding
+    variable = v.decoding.startswith("var-")
+    task.cfg.prune_abs_threshold = v.delta if variable else None
+    task.cfg.prune_max_cands = v.max_cands if variable else None
+    task.cfg.refill_eps = v.refill_eps if v.refill_eps is not None else settings["refill_eps"]
+    task.cfg.finalize = v.finalize or settings["finalize"]
+    task.cfg.stream_order = v.stream_order or "min-length"
+    task.cfg.stream_window = settings["stream_window"]
+    itr = task.get_batch_iterator(ts.dataset, max_sentences=v.batch_size or settings["batch_size"],
+                                  max_tokens=settings["max_tokens"],
+                                  disable_iterator_cache=True).next_epoch_itr(shuffle=False)
+    gen = task.build_generator(models, _gen_args(v, settings))
+    counters = getattr(gen, "counters", None)
+    if counters is not None:
+        counters.trace = []
+    hyps = {}
+    for sample in itr:
+        if use_cuda:
+            sample = utils.move_to_cuda(sample)
+        out = task.inference_step(gen, models, sample)
+        for i, sid in enumerate(sample["id"].tolist()):
+            hyps[sid] = out[i][0]["tokens"].tolist()
+        bar.update(len(out))
+    if use_cuda:
+        torch.cuda.synchronize()
+    return hyps, counters
+
+
+def _ct2_translator(args, variants, threads):
+    """Convert the (first) checkpoint with CTranslate2's fairseq converter when ct2 is asked for."""
+    if not any(v.decoding == "ct2" for v in variants):
+        return None
+    try:
+        import ctranslate2
+        from ctranslate2.converters import FairseqConverter
+    except ImportError as e:
+        raise SystemExit("method ct2 needs `pip install ctranslate2`") from e
+    paths = args.path.split(":")
+    if len(paths) > 1:
+        print("ct2: CTranslate2 converts one checkpoint; using the first of the ensemble", flush=True)
+    out = Path(args.out) / "ct2-model"
+    FairseqConverter(paths[0], args.data, source_lang=args.source_lang, target_lang=args.target_lang).convert(
+        str(out), force=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return ctranslate2.Translator(str(out), device=device, inter_threads=1, intra_threads=threads)
+
+
+def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict):
+    """Same beam, threads and fp32; min_decoding_length=0 as fairseq (EOS allowed after 1 token)."""
+    bs = v.batch_size or settings["batch_size"]
+    budget = dict(max_batch_size=bs, batch_type="examples") if bs else dict(
+        max_batch_size=settings["max_tokens"], batch_type="tokens")
+    res = translator.translate_batch(ts.src_symbols, beam_size=v.beam or settings["beam"], **budget,
+                                     length_penalty=settings["lenpen"], max_decoding_length=settings["max_len_b"],
+                                     min_decoding_length=0)
+    hyps = {}
+    for i, r in enumerate(res):
+        hyps[i] = [tgt_dict.index(tok) for tok in r.hypotheses[0]] + [tgt_dict.eos()]
+    return hyps, None
 
 
 if __name__ == "__main__":

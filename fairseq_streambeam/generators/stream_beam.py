@@ -72,10 +72,12 @@ class DecodeMode:
 class Cohort:
     """Live sources whose candidates all have `length` decoded tokens, with their beams and cache."""
 
-    def __init__(self, ids: List[int], max_len: List[int], beams: Beams, cache: DecoderCache,
+    def __init__(self, ids: List[int], max_len: List[int], src_len: np.ndarray, beams: Beams, cache: DecoderCache,
                  prefix: Optional[Tensor], serial: int, device: torch.device, dtype: torch.dtype):
         self.ids = ids
         self.max_len = max_len
+        self.src_len = src_len  # host: source length (with EOS) per source; width = encoder positions
+        self.src_width = int(src_len.max())
         self.max_len_t = torch.tensor(max_len, device=device)
         self.beams = beams
         self.cache = cache
@@ -97,6 +99,8 @@ class Cohort:
         a.cache = DecoderCache.cat([a.cache, b.cache])
         a.ids = a.ids + b.ids
         a.max_len = a.max_len + b.max_len
+        a.src_len = np.concatenate([a.src_len, b.src_len])
+        a.src_width = max(a.src_width, b.src_width)
         a.max_len_t = torch.cat([a.max_len_t, b.max_len_t])
         a.prefix = None if a.prefix is None else torch.cat([a.prefix, b.prefix])  # type: ignore[list-item]
         a.n_final = torch.cat([a.n_final, b.n_final])
@@ -254,7 +258,14 @@ class StreamBeamGenerator(SequenceGenerator):
         if prefix_tokens is not None:
             prefix = prefix_tokens if len(new) == n_src else prefix_tokens[new[0]: new[-1] + 1]
         cache = DecoderCache(self.model, enc, self.keep_encoder_out)
-        return Cohort(new, [max_lens[i] for i in new], beams, cache, prefix, new[0], device, dtype)
+        src_len = np.array([lengths[i] for i in new])
+        if len(new) == n_src:  # fairseq's own batch: its padded width
+            src_len_width = net_input["src_tokens"].size(1)
+        else:
+            src_len_width = int(src_len.max())
+        cohort = Cohort(new, [max_lens[i] for i in new], src_len, beams, cache, prefix, new[0], device, dtype)
+        cohort.src_width = src_len_width
+        return cohort
 
     def _step(self, c: Cohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
         """One decoder step for cohort `c`: expand, rank, finalize, prune, reorder. Returns the
@@ -270,9 +281,16 @@ class StreamBeamGenerator(SequenceGenerator):
         t = self._tick()
         lprobs, _ = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
                                                self.temperature)
-        self.counters.model_seconds += self._tock(t)
-        self.counters.decoder_steps += 1
-        self.counters.expansions += tokens_in.size(0)
+        dt = self._tock(t)
+        rows = tokens_in.size(0)
+        cnt = self.counters
+        cnt.model_seconds += dt
+        cnt.decoder_steps += 1
+        cnt.expansions += rows
+        cnt.padded_positions += rows * c.src_width
+        cnt.source_positions += int(c.src_len[c.cache_src_h].sum())
+        if cnt.trace is not None:
+            cnt.trace.append((L, rows, dt))
         c.cache.after_step()
 
         at_max = c.max_len_t.index_select(0, row_src) <= L if L >= min(c.max_len) else None
@@ -340,6 +358,7 @@ class StreamBeamGenerator(SequenceGenerator):
             ks = torch.from_numpy(keep_src).to(dev)
             c.ids = [c.ids[j] for j in keep_src]
             c.max_len = [c.max_len[j] for j in keep_src]
+            c.src_len = c.src_len[keep_src]
             c.max_len_t = c.max_len_t.index_select(0, ks)
             n_final = n_final.index_select(0, ks)
             best_final = best_final.index_select(0, ks)

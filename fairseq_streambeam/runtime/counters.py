@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Tuple
 
 
 @dataclass
@@ -13,6 +14,14 @@ class Counters:
     encoder_calls: int = 0
     model_seconds: float = 0.0  # encoder + decoder calls
     total_seconds: float = 0.0  # whole generate calls
+    source_positions: int = 0  # real source positions attended by the decoder rows, summed over steps
+    padded_positions: int = 0  # the same including padding (rows x cohort source width)
+    # (target length, rows, model seconds) per decoder step, kept only when set to a list
+    trace: Optional[List[Tuple[int, int, float]]] = field(default=None, repr=False)
+
+    @property
+    def padding_share(self) -> float:
+        return 1 - self.source_positions / self.padded_positions if self.padded_positions else 0.0
 
     @property
     def expansions_per_step(self) -> float:
@@ -24,6 +33,8 @@ class Counters:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d.pop("trace")
+        d["padding_share"] = round(self.padding_share, 4)
         d["expansions_per_step"] = round(self.expansions_per_step, 2)
         d["bookkeeping_seconds"] = round(self.bookkeeping_seconds, 3)
         d["sentences_per_second"] = round(self.sentences / self.total_seconds, 2) if self.total_seconds else 0.0

@@ -1,0 +1,74 @@
+"""Benchmark inputs: a fairseq data-bin split, or raw source/reference files encoded with fairseq's
+own tokenizer/BPE classes (moses + fastBPE for the WMT'19 models, sentencepiece for deen-tiny)."""
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+from fairseq.data import LanguagePairDataset
+
+
+@dataclass
+class TestSet:
+    dataset: LanguagePairDataset
+    refs: List[str]  # detokenized reference per dataset index
+    decode: Callable[[List[int]], str]  # hypothesis token ids -> detokenized text
+    src_symbols: List[List[str]]  # source tokens as dictionary symbols (for CTranslate2)
+
+
+def _every(n: int, limit: int) -> List[int]:
+    """Indices of an evenly spaced subset of about `limit` items (all when limit is 0)."""
+    if not limit or limit >= n:
+        return list(range(n))
+    return list(range(0, n, n // limit))[:limit]
+
+
+def from_data_bin(task, subset: str, limit: int, post_process: Optional[str]) -> TestSet:
+    task.load_dataset(subset)
+    ds = task.dataset(subset)
+    keep = _every(len(ds), limit)
+    src = [ds.src[i] for i in keep]
+    tgt = [ds.tgt[i] for i in keep]
+    dataset = LanguagePairDataset(src, [len(x) for x in src], task.source_dictionary, tgt, [len(x) for x in tgt],
+                                  task.target_dictionary)
+    tgt_dict, src_dict = task.target_dictionary, task.source_dictionary
+    refs = [tgt_dict.string(t, post_process) for t in tgt]
+    return TestSet(dataset, refs, lambda ids: tgt_dict.string(torch.tensor(ids), post_process),
+                   [[src_dict[i] for i in s[:-1].tolist()] for s in src])
+
+
+def from_raw(task, src_path: str, ref_path: str, limit: int, tokenizer: str, bpe: str, bpe_codes: Optional[str],
+             sentencepiece_model: Optional[str]) -> TestSet:
+    src_lines = Path(src_path).read_text(encoding="utf-8").splitlines()
+    ref_lines = Path(ref_path).read_text(encoding="utf-8").splitlines()
+    if len(src_lines) != len(ref_lines):
+        raise ValueError(f"{src_path} has {len(src_lines)} lines but {ref_path} has {len(ref_lines)}")
+    keep = _every(len(src_lines), limit)
+    tok = task.build_tokenizer(argparse.Namespace(
+        tokenizer=None if tokenizer == "none" else tokenizer, moses_source_lang=task.cfg.source_lang,
+        moses_target_lang=task.cfg.target_lang, moses_no_dash_splits=False, moses_no_escape=False))
+    bpe_obj = task.build_bpe(argparse.Namespace(bpe=None if bpe == "none" else bpe, bpe_codes=bpe_codes,
+                                                sentencepiece_model=sentencepiece_model))
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+
+    def encode(line: str) -> torch.Tensor:
+        if tok is not None:
+            line = tok.encode(line)
+        if bpe_obj is not None:
+            line = bpe_obj.encode(line)
+        return src_dict.encode_line(line, add_if_not_exist=False, append_eos=True).long()
+
+    def decode(ids: List[int]) -> str:
+        text = tgt_dict.string(torch.tensor(ids))
+        if bpe_obj is not None:
+            text = bpe_obj.decode(text)
+        if tok is not None:
+            text = tok.decode(text)
+        return text
+
+    src = [encode(src_lines[i]) for i in keep]
+    dataset = LanguagePairDataset(src, [len(x) for x in src], src_dict, tgt_dict=tgt_dict)
+    return TestSet(dataset, [ref_lines[i] for i in keep], decode,
+                   [[src_dict[i] for i in s[:-1].tolist()] for s in src])

@@ -1,0 +1,54 @@
+"""Peak memory of one benchmark run: CUDA allocator peak, or resident set size sampled on CPU."""
+
+import os
+import threading
+from typing import Optional
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+class PeakMemory:
+    """`with PeakMemory() as m: ...; m.peak_mb` -- CPU: max RSS sampled every `interval` seconds."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.cuda = torch.cuda.is_available()
+
+    def __enter__(self) -> "PeakMemory":
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self.peak = _rss_bytes()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._stop.set()
+            assert self._thread is not None
+            self._thread.join()
+            self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def peak_mb(self) -> float:
+        return round(self.peak / 2**20, 1)

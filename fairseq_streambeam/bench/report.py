@@ -1,0 +1,70 @@
+"""Benchmark output: a Markdown table shaped like the paper's Table 1, JSON, and PNG plots."""
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List
+
+COLUMNS = [
+    ("method", "method"), ("bleu", "BLEU"), ("chrf", "chrF"), ("seconds_mean", "time s (mean)"),
+    ("seconds_std", "std"), ("ratio_to_baseline", "x baseline"), ("decoder_steps", "steps"),
+    ("expansions", "expansions"), ("expansions_per_step", "exp/step"), ("padding_share", "padding"),
+    ("peak_mb", "peak MB"), ("sentences_per_second", "sent/s"), ("identical_to_exact_ref", "identical"),
+]
+
+
+def markdown_table(rows: List[dict]) -> str:
+    head = "| " + " | ".join(title for _, title in COLUMNS) + " |"
+    sep = "|" + "---|" * len(COLUMNS)
+    body = ["| " + " | ".join("" if r.get(k) is None else str(r[k]) for k, _ in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def write_json(path: Path, meta: dict, rows: List[dict], traces: Dict[str, list]) -> None:
+    path.write_text(json.dumps({**meta, "rows": rows, "step_traces": traces}, indent=1))
+
+
+def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> List[Path]:
+    """Median model step time against current target length (paper Fig. 2), and time vs BLEU."""
+    try:
+        import logging
+
+        import matplotlib
+
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's root logger is verbose
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install matplotlib)")
+        return []
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, trace in traces.items():
+        by_len = defaultdict(list)
+        for length, _rows, seconds in trace:
+            by_len[length].append(seconds * 1000)
+        xs = sorted(by_len)
+        if xs:
+            ax.plot(xs, [statistics.median(by_len[x]) for x in xs], label=name)
+    ax.set_xlabel("current target length (tokens)")
+    ax.set_ylabel("median decoder step time (ms)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out_dir / "step_time_vs_length.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    written.append(p)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["seconds_mean"], r["bleu"])
+        ax.annotate(r["method"], (r["seconds_mean"], r["bleu"]), fontsize=7)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("BLEU")
+    fig.tight_layout()
+    p = out_dir / "time_vs_bleu.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    written.append(p)
+    return written

@@ -1,0 +1,89 @@
+"""What the benchmark runs: named method variants, from built-ins or a JSON config."""
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+DECODINGS = ("fairseq", "fairseq-greedy", "beam", "greedy", "var-batch", "var-stream", "fixed-stream", "ct2")
+
+
+@dataclass
+class Variant:
+    """One method to time. Unset fields take the run's settings (beam, batch size, ...)."""
+
+    name: str
+    decoding: str
+    beam: Optional[int] = None
+    batch_size: Optional[int] = None
+    delta: Optional[float] = None
+    max_cands: Optional[int] = None
+    refill_eps: Optional[float] = None
+    finalize: Optional[str] = None
+    stream_order: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.decoding not in DECODINGS:
+            raise ValueError(f"variant {self.name!r}: unknown decoding {self.decoding!r}; choose from {DECODINGS}")
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+BUILTIN: Dict[str, Variant] = {
+    "fairseq": Variant("fairseq", "fairseq"),
+    "fairseq-greedy": Variant("fairseq-greedy", "fairseq-greedy", beam=1),
+    "beam": Variant("beam", "beam"),
+    "greedy": Variant("greedy", "greedy", beam=1),
+    "var-batch": Variant("var-batch", "var-batch"),
+    "var-stream": Variant("var-stream", "var-stream"),
+    "fifo": Variant("fifo", "var-stream", stream_order="fifo"),
+    "fixed-stream": Variant("fixed-stream", "fixed-stream"),
+    "ct2": Variant("ct2", "ct2"),
+}
+
+
+def parse_methods(spec: str) -> List[Variant]:
+    out = []
+    for name in (x.strip() for x in spec.split(",")):
+        if not name:
+            continue
+        if name not in BUILTIN:
+            raise ValueError(f"unknown method {name!r}; built-ins are {sorted(BUILTIN)} (or use --config)")
+        out.append(BUILTIN[name])
+    return out
+
+
+def load_config(path: str) -> Tuple[dict, List[Variant]]:
+    """A JSON file: run settings (beam, batch_size, repeats, ...) and a list of `variants`, each
+    a built-in name or an object with Variant's fields; `sweep` expands a grid of one decoding.
+    Keys starting with "_" are comments."""
+    cfg = {k: v for k, v in json.loads(Path(path).read_text()).items() if not k.startswith("_")}
+    names = {f.name for f in fields(Variant)}
+    variants: List[Variant] = []
+    for v in cfg.pop("variants", []):
+        if isinstance(v, str):
+            variants += parse_methods(v)
+        else:
+            bad = set(v) - names
+            if bad:
+                raise ValueError(f"{path}: unknown variant fields {sorted(bad)}")
+            variants.append(Variant(**v))
+    sweep = cfg.pop("sweep", None)
+    if sweep:
+        variants += expand_sweep(sweep)
+    return cfg, variants
+
+
+def expand_sweep(sweep: dict) -> List[Variant]:
+    """{"decoding": "var-stream", "delta": [1, 1.5], "max_cands": [3, 5]} -> one variant per point."""
+    base = {k: v for k, v in sweep.items() if not isinstance(v, list)}
+    grid = [(k, v) for k, v in sweep.items() if isinstance(v, list)]
+    points: List[dict] = [{}]
+    for key, values in grid:
+        points = [dict(p, **{key: x}) for p in points for x in values]
+    out = []
+    for p in points:
+        label = ",".join(f"{k}={v}" for k, v in p.items())
+        out.append(Variant(name=f"{base['decoding']}[{label}]", **base, **p))
+    return out

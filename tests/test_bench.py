@@ -1,0 +1,97 @@
+"""Benchmark harness on the tiny trained checkpoint: every method runs, the JSON/Markdown/plots are
+written, identical-output shares are computed, configs and sweeps expand, and the WMT'19
+reproduction script runs offline. No timing assertions."""
+
+import importlib.util
+import json
+
+import pytest
+from helpers import BIN, REPO, run_cli
+
+from fairseq_streambeam.bench.__main__ import main as bench_main
+from fairseq_streambeam.bench.variants import expand_sweep, load_config, parse_methods
+
+ALL = "fairseq,fairseq-greedy,beam,greedy,var-batch,var-stream,fifo,fixed-stream"
+
+
+def _bench(tiny_run, tmp_path, *extra):
+    data, ckpt = tiny_run
+    return bench_main(["--data", str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt", "--post-process", "none",
+                       "--out", str(tmp_path), "--quiet", "--limit", "20", *extra])
+
+
+def test_every_method_runs_and_reports(tiny_run, tmp_path):
+    rows = _bench(tiny_run, tmp_path, "--methods", ALL, "--repeats", "2", "--beam", "4", "--batch-size", "6")
+    by = {r["method"]: r for r in rows}
+    assert list(by) == ALL.split(",")
+    # exactness shows up in the report: beam and fixed-stream print fairseq's output
+    assert by["beam"]["identical_to_exact_ref"] == 1.0
+    assert by["fixed-stream"]["identical_to_exact_ref"] == 1.0
+    assert by["fairseq"]["identical_to_exact_ref"] == 1.0
+    assert by["greedy"]["bleu"] == by["fairseq-greedy"]["bleu"]
+    assert by["var-stream"]["bleu"] == by["var-batch"]["bleu"] == by["fifo"]["bleu"]
+    for r in rows:
+        assert r["seconds_mean"] > 0 and r["ratio_to_baseline"] > 0 and r["peak_mb"] > 0
+    assert by["var-stream"]["expansions"] == by["var-batch"]["expansions"]
+    assert 0 <= by["var-stream"]["padding_share"] < 1
+    assert by["fairseq"]["decoder_steps"] is None  # fairseq's generator has no counters
+
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["sentences"] == 20 and doc["threads"] == 1 and len(doc["rows"]) == len(rows)
+    assert set(doc["step_traces"]) >= {"beam", "var-stream"}
+    assert (tmp_path / "results.md").read_text().startswith("| method | BLEU |")
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "step_time_vs_length.png").stat().st_size > 0
+        assert (tmp_path / "time_vs_bleu.png").stat().st_size > 0
+
+
+def test_ctranslate2_runs_and_matches_fairseq_on_a_real_model(tiny_run, tmp_path):
+    """ct2 runs through the harness; on deen-tiny (real weights, few near-ties) its beam output is
+    fairseq's. The 30-update tiny model has near-ties, where different kernels may flip a choice."""
+    pytest.importorskip("ctranslate2")
+    from helpers import shared_path
+
+    rows = _bench(tiny_run, tmp_path / "tiny", "--methods", "fairseq,ct2", "--exact-ref", "fairseq", "--no-plots")
+    assert rows[1]["method"] == "ct2" and rows[1]["identical_to_exact_ref"] > 0.5
+    root = shared_path("models", "deen-tiny")
+    rows = bench_main(["--data", str(root / "data-bin"), "--path", str(root / "checkpoint_best.pt"), "-s", "de",
+                       "-t", "en", "--out", str(tmp_path / "deen"), "--quiet", "--limit", "40", "--methods",
+                       "fairseq,ct2", "--exact-ref", "fairseq", "--no-plots"])
+    assert rows[1]["identical_to_exact_ref"] >= 0.95
+
+
+def test_configs_and_sweeps_expand():
+    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep"):
+        settings, variants = load_config(str(REPO / "configs" / f"{name}.json"))
+        assert variants and not any(k.startswith("_") for k in settings)
+    _, variants = load_config(str(REPO / "configs" / "table5_sweep.json"))
+    assert len(variants) == 2 + 4 * 3
+    pts = expand_sweep({"decoding": "var-stream", "delta": [1.0, 2.0], "refill_eps": [0.1, 0.5]})
+    assert [(v.delta, v.refill_eps) for v in pts] == [(1.0, 0.1), (1.0, 0.5), (2.0, 0.1), (2.0, 0.5)]
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods("beam,nope")
+
+
+def test_sweep_config_runs(tiny_run, tmp_path):
+    cfg = tmp_path / "sweep.json"
+    cfg.write_text(json.dumps({"beam": 3, "batch_size": 4, "baseline": "var-batch", "exact_ref": "var-batch",
+                               "variants": ["var-batch"],
+                               "sweep": {"decoding": "var-stream", "refill_eps": [0.1, 0.9]}}))
+    rows = _bench(tiny_run, tmp_path, "--config", str(cfg), "--no-plots")
+    assert [r["method"] for r in rows] == ["var-batch", "var-stream[refill_eps=0.1]", "var-stream[refill_eps=0.9]"]
+    assert all(r["identical_to_exact_ref"] == 1.0 for r in rows)  # eps changes speed, never output
+
+
+def test_reproduce_script_offline(tiny_run, tmp_path):
+    data, ckpt = tiny_run
+    raw = data.parent
+    r = run_cli(["bash", str(REPO / "scripts" / "reproduce_wmt19.sh"), "--pair", "src-tgt", "--model-dir", str(data),
+                 "--checkpoints", str(ckpt), "--src", str(raw / "test.src"), "--ref", str(raw / "test.tgt"),
+                 "--tokenizer", "none", "--bpe", "none", "--config", str(REPO / "configs" / "paper_k5.json"),
+                 "--repeats", "2", "--out", str(tmp_path), "--", "--limit", "12", "--quiet", "--no-plots"],
+                cwd=str(tmp_path), env_extra={"PYTHON": str(BIN / "python")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [row["method"] for row in doc["rows"]] == ["greedy", "beam", "var-batch", "var-stream"]
+    assert doc["settings"]["repeats"] == 2 and doc["settings"]["max_tokens"] == 1000
+    assert all(row["seconds_std"] >= 0 for row in doc["rows"])
