@@ -40,6 +40,15 @@ class StreamBeamConfig(TranslationConfig):
     max_wait_steps: int = field(
         default=0, metadata={"help": "latency bound: step a cohort first once it has waited this many "
                                      "decoder steps (0 = off; output unchanged)"})
+    lmbr_posteriors: Optional[str] = field(
+        default=None, metadata={"help": "LMBR n-gram posteriors (JSON lines by sentence id, from "
+                                        "python -m fairseq_streambeam.scorers.build_posteriors)"})
+    lmbr_lambda: Optional[float] = field(
+        default=None, metadata={"help": "LMBR: weight of the NMT log-probs (default 0.5 / number of models)"})
+    lmbr_theta0: Optional[float] = field(
+        default=None, metadata={"help": "LMBR: per-word constant Theta0 (default -1/T of Tromble et al.)"})
+    lmbr_p: float = field(default=0.85, metadata={"help": "LMBR linear-BLEU precision p (Tromble et al. 2008)"})
+    lmbr_r: float = field(default=0.72, metadata={"help": "LMBR linear-BLEU precision ratio r"})
     stream_profile: bool = field(
         default=False, metadata={"help": "synchronize CUDA around model calls so the model vs "
                                          "bookkeeping time split is exact"})

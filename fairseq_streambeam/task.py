@@ -17,6 +17,7 @@ from fairseq.tasks.translation import TranslationTask
 from .generators.stream_beam import STREAMING, StreamBeamGenerator
 from .options import StreamBeamConfig, unsupported_generation_options
 from .runtime.scheduler import Budget
+from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
 
 logger = logging.getLogger("fairseq_streambeam")
 
@@ -52,6 +53,8 @@ class StreamBeamTranslationTask(TranslationTask):
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
         if str(self.cfg.decoding) == "fairseq":
+            if self.cfg.lmbr_posteriors:
+                raise ValueError("--lmbr-posteriors needs one of this plugin's decodings, not --decoding fairseq")
             return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                            extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
@@ -80,9 +83,19 @@ class StreamBeamTranslationTask(TranslationTask):
             refill_eps=self.cfg.refill_eps,
             max_wait=self.cfg.max_wait_steps,
             profile=self.cfg.stream_profile,
+            scorer=self._lmbr_scorer(len(models)),
         )
         _report_at_exit(gen)
         return gen
+
+    def _lmbr_scorer(self, n_models: int):
+        """The LMBR scorer when --lmbr-posteriors is given (Iglesias et al. 2018 defaults)."""
+        c = self.cfg
+        if not c.lmbr_posteriors:
+            return None
+        theta = Theta.linear_bleu(c.lmbr_p, c.lmbr_r, theta0=c.lmbr_theta0)
+        lam = 0.5 / n_models if c.lmbr_lambda is None else c.lmbr_lambda
+        return LMBRScorer(load_posteriors(c.lmbr_posteriors), theta, lam, self.target_dictionary.pad())
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
         if isinstance(generator, StreamBeamGenerator) and self.budget is not None:

@@ -149,6 +149,7 @@ class StreamBeamGenerator(SequenceGenerator):
         max_wait: int = 0,
         keep_encoder_out: Optional[bool] = None,
         profile: bool = False,
+        scorer=None,
     ):
         super().__init__(
             models, tgt_dict, beam_size=beam_size, max_len_a=max_len_a, max_len_b=max_len_b,
@@ -172,6 +173,7 @@ class StreamBeamGenerator(SequenceGenerator):
         )
         self.max_source_positions = _max_source_positions(self.model)
         self.profile = profile
+        self.scorer = scorer  # e.g. LMBRScorer: score(lprobs, state), advance(state, tokens), start(ids)
         self.counters = Counters()
 
     @torch.no_grad()
@@ -199,6 +201,9 @@ class StreamBeamGenerator(SequenceGenerator):
         left_pad = bool(src_tokens[:, 0].eq(self.pad).any()) if n_src else False
         bos = self.eos if bos_token is None else bos_token
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]
+        sentence_ids = ids.tolist() if isinstance(ids, Tensor) else list(range(n_src))
+        if self.scorer is not None:
+            self.scorer.reset()
 
         cohorts: List[Cohort] = []
         next_src = 0
@@ -213,7 +218,7 @@ class StreamBeamGenerator(SequenceGenerator):
                     next_src += take
                     live_tokens += sum(lengths[i] for i in new)
                     cohorts.append(self._admit(net_input, new, n_src, lengths, max_lens, left_pad,
-                                               prefix_tokens, bos, device))
+                                               prefix_tokens, bos, device, sentence_ids))
             i = self.scheduler.pick(cohorts)
             c = cohorts[i]
             for other in cohorts:
@@ -238,7 +243,8 @@ class StreamBeamGenerator(SequenceGenerator):
     # ---------------------------------------------------------------------------------------
 
     def _admit(self, net_input, new: List[int], n_src: int, lengths: List[int], max_lens: List[int],
-               left_pad: bool, prefix_tokens: Optional[Tensor], bos: int, device) -> Cohort:
+               left_pad: bool, prefix_tokens: Optional[Tensor], bos: int, device,
+               sentence_ids: List[int]) -> Cohort:
         """Encode sources `new` (window rows) together and start their beams."""
         if len(new) == n_src:
             sub = net_input
@@ -253,7 +259,8 @@ class StreamBeamGenerator(SequenceGenerator):
         self.counters.model_seconds += self._tock(t)
         self.counters.encoder_calls += 1
         dtype = torch.float32
-        beams = Beams.start(len(new), bos, device, dtype)
+        state = None if self.scorer is None else self.scorer.start([sentence_ids[i] for i in new], device)
+        beams = Beams.start(len(new), bos, device, dtype, state)
         prefix = None
         if prefix_tokens is not None:
             prefix = prefix_tokens if len(new) == n_src else prefix_tokens[new[0]: new[-1] + 1]
@@ -298,6 +305,8 @@ class StreamBeamGenerator(SequenceGenerator):
         if c.prefix is not None and L < c.prefix.size(1):
             prefix = c.prefix[:, L].index_select(0, row_src)
         lprobs = self.penalties(lprobs, L, at_max, prefix)
+        if self.scorer is not None:
+            lprobs = self.scorer.score(lprobs, b.state if all_live else b.state.index_select(0, live_idx))
 
         n_src = len(c.ids)
         ranked = rank_candidates(b, lprobs, n_src, self.pruning, self.finalizer.ranked_per_source(),
@@ -340,6 +349,7 @@ class StreamBeamGenerator(SequenceGenerator):
             cum=torch.cat([b.cum.index_select(0, par_t), sc.unsqueeze(1)], 1),
             src=torch.from_numpy(new_src_of[kp // R]).to(dev),
             live=torch.from_numpy(new_live).to(dev),
+            state=None if self.scorer is None else self.scorer.advance(b.state.index_select(0, par_t), tok),
         )
         c.len_h = np.where(carried, c.len_h[parents], L + 1)
         cache_row = np.cumsum(c.live_h) - 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -18,21 +19,25 @@ from .pruning import Pruning
 
 @dataclass
 class Beams:
-    """tokens [N, L+1] (BOS first); cum [N, L] cumulative log-prob after each token; src [N]
-    cohort-local source index; live [N] (False: finished row carried by the sticky rule)."""
+    """tokens [N, L+1] (BOS first); cum [N, L] cumulative score after each token; src [N]
+    cohort-local source index; live [N] (False: finished row carried by the sticky rule);
+    state [N] a scorer's per-candidate state (LMBR history row), or None without scorer."""
 
     tokens: Tensor
     cum: Tensor
     src: Tensor
     live: Tensor
+    state: Optional[Tensor] = None
 
     @staticmethod
-    def start(n_sources: int, bos: int, device: torch.device, dtype: torch.dtype) -> Beams:
+    def start(n_sources: int, bos: int, device: torch.device, dtype: torch.dtype,
+              state: Optional[Tensor] = None) -> Beams:
         return Beams(
             tokens=torch.full((n_sources, 1), bos, dtype=torch.long, device=device),
             cum=torch.zeros(n_sources, 0, dtype=dtype, device=device),
             src=torch.arange(n_sources, device=device),
             live=torch.ones(n_sources, dtype=torch.bool, device=device),
+            state=state,
         )
 
     @property
@@ -52,6 +57,7 @@ class Beams:
             cum=torch.cat([p.cum for p in parts]),
             src=torch.cat([p.src + off for p, off in zip(parts, src_offsets)]),
             live=torch.cat([p.live for p in parts]),
+            state=None if parts[0].state is None else torch.cat([p.state for p in parts]),  # type: ignore[misc]
         )
 
 

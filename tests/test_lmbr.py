@@ -1,0 +1,174 @@
+"""LMBR n-gram posterior scorer: hand-computed scores, batched == slow reference through reordering
+and refill, zero posteriors reproduce unscored decoding, the evidence builder, the CLI path."""
+
+import math
+import random
+import re
+
+import pytest
+import torch
+from helpers import (
+    BIN,
+    N_TEST,
+    REPO,
+    assert_same_hypos,
+    make_dict,
+    make_sample,
+    ours,
+    random_sentences,
+    random_transformer,
+    run_cli,
+)
+
+from fairseq_streambeam import Budget
+from fairseq_streambeam.scorers.build_posteriors import posteriors, read_nbest
+from fairseq_streambeam.scorers.lmbr import LMBRScorer, Theta, load_posteriors, reference_score, write_posteriors
+
+D = make_dict(30)
+PAD, EOS = D.pad(), D.eos()
+THETA = Theta(theta0=-0.5, theta=(1.0, 2.0, 3.0, 4.0))
+
+
+def test_hand_computed_scores_and_history_rows():
+    post = {(4,): 0.9, (5,): 0.5, (4, 5): 0.4, (5, 4): 0.2, (4, 5, 6): 0.1}
+    s = LMBRScorer({7: post}, THETA, lam=0.5, pad=PAD)
+    st = s.start([7], torch.device("cpu"))
+    lp = torch.zeros(1, len(D))
+    lp[0, 9] = -math.inf
+    out = s.score(lp, st)[0]
+    assert out[4].item() == pytest.approx(-0.5 + 0.9)  # Theta0 + Theta1 P(a)
+    assert out[5].item() == pytest.approx(0.0)
+    assert out[6].item() == pytest.approx(-0.5)  # (c,) only inside a 3-gram: P = 0
+    assert out[9].item() == -math.inf
+    st = s.advance(st, torch.tensor([4]))  # history (a)
+    out = s.score(torch.zeros(1, len(D)), st)[0]
+    assert out[5].item() == pytest.approx(-0.5 + 0.5 + 2 * 0.4)  # P(b) + P(a b)
+    st = s.advance(st, torch.tensor([5]))  # history (a b)
+    out = s.score(torch.zeros(1, len(D)), st)[0]
+    assert out[6].item() == pytest.approx(-0.5 + 3 * 0.1)  # only the trigram (a b c)
+    assert out[4].item() == pytest.approx(-0.5 + 0.9 + 2 * 0.2)  # P(a) + P(b a)
+    assert s.advance(st, torch.tensor([PAD])).item() == st.item()  # a carried candidate keeps its row
+    assert s.advance(st, torch.tensor([20])).item() == s.root_of[st].item()  # unseen word: back to the root
+
+
+def _random_posteriors(rng, n_entries=4, vocab=range(4, 30)):
+    entries = [(rng.uniform(-6, -1), [rng.choice(vocab) for _ in range(rng.randint(1, 7))] + [EOS])
+               for _ in range(n_entries)]
+    return posteriors(entries, alpha=1.0)
+
+
+def test_batched_scores_equal_slow_reference():
+    rng = random.Random(3)
+    posts = {sid: _random_posteriors(rng) for sid in range(5)}
+    s = LMBRScorer(posts, THETA, lam=0.7, pad=PAD)
+    # two admissions (refill): rows of later sources are appended to the same tables
+    st = torch.cat([s.start([0, 1, 2], torch.device("cpu")), s.start([3, 4], torch.device("cpu"))])
+    sids = [0, 1, 2, 3, 4]
+    hist = [[] for _ in sids]
+    for _ in range(8):
+        lp = torch.randn(len(sids), len(D))
+        got = s.score(lp.clone(), st)
+        for i, sid in enumerate(sids):
+            for w in range(len(D)):
+                ref = reference_score(posts[sid], THETA, 0.7, hist[i], w, lp[i, w].item())
+                assert got[i, w].item() == pytest.approx(ref, abs=1e-5), (sid, hist[i], w)
+        # reorder like a beam: candidates copy parents, then extend with evidence-ish words
+        parents = [rng.randrange(len(sids)) for _ in sids]
+        toks = [rng.choice(sorted({g[-1] for g in posts[sids[p]]}) + [rng.randrange(4, 30)]) for p in parents]
+        st = s.advance(st[torch.tensor(parents)], torch.tensor(toks))
+        sids = [sids[p] for p in parents]
+        hist = [hist[p] + [t] for p, t in zip(parents, toks)]
+
+
+MODEL = random_transformer(D, 41).double()
+SENTS = random_sentences(D, 8, 42)
+SAMPLE = make_sample(D, SENTS)
+
+
+def _scorer(lam=0.5, theta=THETA, zero=False):
+    rng = random.Random(5)
+    posts = {} if zero else {i: _random_posteriors(rng, 6) for i in range(len(SENTS))}
+    return LMBRScorer(posts, theta, lam, PAD), posts
+
+
+def _teacher_forced_lprobs(sent, tokens):
+    src = torch.tensor([sent + [EOS]])
+    prev = torch.tensor([[EOS] + tokens[:-1]])
+    with torch.no_grad():
+        out = MODEL(src, torch.tensor([src.size(1)]), prev)
+        return MODEL.get_normalized_probs(out, log_probs=True)[0]
+
+
+@pytest.mark.parametrize("decoding", ["beam", "var-batch"])
+def test_decoded_positional_scores_equal_reference(decoding):
+    scorer, posts = _scorer()
+    out, _ = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, scorer=scorer)
+    for row, sid in enumerate(SAMPLE["id"].tolist()):
+        hyp = out[row][0]
+        toks = hyp["tokens"].tolist()
+        lp = _teacher_forced_lprobs(SENTS[sid], toks)
+        for j, w in enumerate(toks):
+            ref = reference_score(posts[sid], THETA, 0.5, toks[:j], w, lp[j, w].item())
+            assert hyp["positional_scores"][j].item() == pytest.approx(ref, abs=1e-4)
+
+
+def test_lmbr_var_stream_equals_var_batch_and_alone():
+    batch = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="var-batch", scorer=_scorer()[0])[0]
+    for n in (1, 3):
+        got = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="var-stream", budget=Budget(n),
+                   scorer=_scorer()[0])[0]
+        assert_same_hypos(batch, got, atol=1e-5)
+    alone = []
+    for sid in SAMPLE["id"].tolist():
+        s = make_sample(D, [SENTS[sid]])
+        s["id"] = torch.tensor([sid])
+        alone += ours([MODEL], D, s, beam_size=4, max_len_b=12, decoding="var-batch", scorer=_scorer()[0])[0]
+    assert_same_hypos(batch, alone, atol=1e-5)
+
+
+def test_zero_posteriors_reproduce_unscored_decoding():
+    for decoding in ("beam", "var-stream"):
+        plain = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3))[0]
+        zero = Theta(0.0, (0.0,) * 4)
+        same = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
+                    scorer=_scorer(lam=1.0, theta=zero, zero=True)[0])[0]
+        assert_same_hypos(plain, same, atol=0)
+        half = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
+                    scorer=_scorer(lam=0.5, theta=zero, zero=True)[0])[0]
+        for a, b in zip(plain, half):
+            assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
+            assert a[0]["score"].item() == pytest.approx(2 * b[0]["score"].item(), abs=1e-5)
+
+
+def test_posteriors_from_nbest_and_file_round_trip(tmp_path):
+    nbest = tmp_path / "gen.out"
+    # two entries for sentence 3 with log2 scores -1 and -2: p = 2/3 and 1/3
+    nbest.write_text("S-3\tx\nH-3\t-1.0\tw1 w2\nH-3\t-2.0\tw1 w3\nH-5\t-0.5\tw2\n")
+    ev = read_nbest(str(nbest))
+    assert set(ev) == {3, 5} and ev[3][0][1] == ["w1", "w2"]
+    d = make_dict(5)
+    post = posteriors([(s, [d.index(t) for t in toks]) for s, toks in ev[3]])
+    w1, w2, w3 = d.index("w1"), d.index("w2"), d.index("w3")
+    assert post[(w1,)] == pytest.approx(1.0)
+    assert post[(w2,)] == pytest.approx(2 / 3) and post[(w1, w3)] == pytest.approx(1 / 3)
+    write_posteriors(tmp_path / "p.jsonl", {3: post})
+    assert load_posteriors(str(tmp_path / "p.jsonl"))[3] == pytest.approx(post)
+    assert Theta.linear_bleu(p=0.8, r=0.5).theta == pytest.approx((1 / 3.2, 1 / 1.6, 1 / 0.8, 1 / 0.4))
+
+
+def test_fairseq_generate_with_lmbr(tiny_run, tmp_path):
+    data, ckpt = tiny_run
+    common = [str(data), "--user-dir", str(REPO / "fairseq_streambeam"), "--task", "streambeam_translation",
+              "--path", str(ckpt), "--gen-subset", "test", "-s", "src", "-t", "tgt", "--cpu", "--batch-size", "8"]
+    r = run_cli([str(BIN / "fairseq-generate"), *common, "--beam", "4", "--nbest", "4"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    (tmp_path / "nbest.out").write_text(r.stdout)
+    r = run_cli([str(BIN / "python"), "-m", "fairseq_streambeam.scorers.build_posteriors", "--nbest",
+                 str(tmp_path / "nbest.out"), "--dict", str(data / "dict.tgt.txt"), "--out", str(tmp_path / "p.jsonl")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"posteriors for {N_TEST} sentences" in r.stdout
+    for decoding in ("beam", "var-stream"):
+        r = run_cli([str(BIN / "fairseq-generate"), *common, "--beam", "4", "--decoding", decoding,
+                     "--lmbr-posteriors", str(tmp_path / "p.jsonl"), "--lmbr-theta0", "-0.1"])
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert sorted(int(i) for i in re.findall(r"^H-(\d+)\t", r.stdout, re.M)) == list(range(N_TEST))
