@@ -172,3 +172,19 @@ def test_fairseq_generate_with_lmbr(tiny_run, tmp_path):
                      "--lmbr-posteriors", str(tmp_path / "p.jsonl"), "--lmbr-theta0", "-0.1"])
         assert r.returncode == 0, r.stderr[-2000:]
         assert sorted(int(i) for i in re.findall(r"^H-(\d+)\t", r.stdout, re.M)) == list(range(N_TEST))
+
+
+def test_bench_runs_lmbr_variants_on_a_subset(tiny_run, tmp_path):
+    """The benchmark renumbers a --limit subset; posteriors must follow (ids by test-set line)."""
+    from fairseq_streambeam.bench.__main__ import main as bench_main
+
+    data, ckpt = tiny_run
+    posts = {i: {(D.eos(),): 1.0} for i in range(N_TEST)}
+    posts[30] = {(7,): 0.5}
+    write_posteriors(tmp_path / "p.jsonl", posts)
+    rows = bench_main(["--data", str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt", "--post-process", "none",
+                       "--out", str(tmp_path), "--quiet", "--no-plots", "--limit", "20", "--methods",
+                       "beam,beam+lmbr,var-stream+lmbr", "--lmbr-posteriors", str(tmp_path / "p.jsonl")])
+    assert [r["method"] for r in rows] == ["beam", "beam+lmbr", "var-stream+lmbr"]
+    sub = load_posteriors(str(tmp_path / "lmbr_posteriors.subset.jsonl"))
+    assert len(sub) == 20 and sub[10] == {(7,): 0.5}  # subset index 10 is test line 30 (every 3rd line)

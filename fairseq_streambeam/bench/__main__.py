@@ -58,6 +58,11 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, help="torch/OMP threads, set explicitly (default 1): oversubscribed "
                                                "threads made fairseq 60x slower here")
+    p.add_argument("--lmbr-posteriors", help="posteriors by test-set sentence id, for the *+lmbr methods")
+    p.add_argument("--lmbr-lambda", type=float)
+    p.add_argument("--lmbr-theta0", type=float)
+    p.add_argument("--lmbr-p", type=float, default=0.85)
+    p.add_argument("--lmbr-r", type=float, default=0.72)
     p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -124,6 +129,7 @@ def main(argv=None):
     print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']}, "
           f"{settings['repeats']} repeat(s): {', '.join(v.name for v in variants)}", flush=True)
 
+    lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
     ct2 = _ct2_translator(args, variants, threads)
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0} for v in variants}
     for rep in range(settings["repeats"]):
@@ -136,6 +142,7 @@ def main(argv=None):
                     hyps, counters = _run_ct2(ct2, v, settings, ts, task.target_dictionary)
                     bar.update(n)
                 else:
+                    _set_lmbr(task, args, lmbr_file if v.lmbr else None)
                     hyps, counters = _run_fairseq_task(task, models, v, settings, ts, bar, use_cuda)
                 dt = time.perf_counter() - t0
             bar.close()
@@ -186,6 +193,31 @@ def main(argv=None):
             print(f"wrote {p}")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
     return rows
+
+
+def _subset_posteriors(args, variants, ts, out_dir: Path):
+    """Posteriors keyed by the benchmark's dataset index (a --limit subset renumbers sentences)."""
+    if not any(v.lmbr for v in variants):
+        return None
+    if not args.lmbr_posteriors:
+        raise SystemExit("the *+lmbr methods need --lmbr-posteriors")
+    from fairseq_streambeam.scorers.lmbr import load_posteriors, write_posteriors
+
+    post = load_posteriors(args.lmbr_posteriors)
+    missing = sum(orig not in post for orig in ts.orig_ids)
+    if missing:
+        print(f"lmbr: {missing} of {len(ts.orig_ids)} sentences have no posteriors (scored with lambda, Theta0 only)")
+    path = out_dir / "lmbr_posteriors.subset.jsonl"
+    write_posteriors(path, {i: post[orig] for i, orig in enumerate(ts.orig_ids) if orig in post})
+    return str(path)
+
+
+def _set_lmbr(task, args, path) -> None:
+    task.cfg.lmbr_posteriors = path
+    task.cfg.lmbr_lambda = args.lmbr_lambda
+    task.cfg.lmbr_theta0 = args.lmbr_theta0
+    task.cfg.lmbr_p = args.lmbr_p
+    task.cfg.lmbr_r = args.lmbr_r
 
 
 def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:

@@ -16,6 +16,7 @@ class TestSet:
     refs: List[str]  # detokenized reference per dataset index
     decode: Callable[[List[int]], str]  # hypothesis token ids -> detokenized text
     src_symbols: List[List[str]]  # source tokens as dictionary symbols (for CTranslate2)
+    orig_ids: List[int]  # sentence id in the full test set of each dataset index (for LMBR posteriors)
 
 
 def _every(n: int, limit: int) -> List[int]:
@@ -36,7 +37,7 @@ def from_data_bin(task, subset: str, limit: int, post_process: Optional[str]) ->
     tgt_dict, src_dict = task.target_dictionary, task.source_dictionary
     refs = [tgt_dict.string(t, post_process) for t in tgt]
     return TestSet(dataset, refs, lambda ids: tgt_dict.string(torch.tensor(ids), post_process),
-                   [[src_dict[i] for i in s[:-1].tolist()] for s in src])
+                   [[src_dict[i] for i in s[:-1].tolist()] for s in src], keep)
 
 
 def from_raw(task, src_path: str, ref_path: str, limit: int, tokenizer: str, bpe: str, bpe_codes: Optional[str],
@@ -71,4 +72,4 @@ def from_raw(task, src_path: str, ref_path: str, limit: int, tokenizer: str, bpe
     src = [encode(src_lines[i]) for i in keep]
     dataset = LanguagePairDataset(src, [len(x) for x in src], src_dict, tgt_dict=tgt_dict)
     return TestSet(dataset, [ref_lines[i] for i in keep], decode,
-                   [[src_dict[i] for i in s[:-1].tolist()] for s in src])
+                   [[src_dict[i] for i in s[:-1].tolist()] for s in src], keep)

@@ -21,13 +21,14 @@ class Variant:
     refill_eps: Optional[float] = None
     finalize: Optional[str] = None
     stream_order: Optional[str] = None
+    lmbr: bool = False  # score with the run's --lmbr-posteriors
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
             raise ValueError(f"variant {self.name!r}: unknown decoding {self.decoding!r}; choose from {DECODINGS}")
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
 
 
 BUILTIN: Dict[str, Variant] = {
@@ -40,6 +41,8 @@ BUILTIN: Dict[str, Variant] = {
     "fifo": Variant("fifo", "var-stream", stream_order="fifo"),
     "fixed-stream": Variant("fixed-stream", "fixed-stream"),
     "ct2": Variant("ct2", "ct2"),
+    "beam+lmbr": Variant("beam+lmbr", "beam", lmbr=True),
+    "var-stream+lmbr": Variant("var-stream+lmbr", "var-stream", lmbr=True),
 }
 
 
