@@ -23,10 +23,11 @@ from torch import Tensor
 from ..runtime.cache import DecoderCache, check_incremental, check_vocabulary, needs_encoder_out_each_step
 from ..runtime.counters import Counters
 from ..runtime.scheduler import Budget, Scheduler
-from ..scorers.penalties import FairseqPenalties, source_max_len
+from ..scorers.penalties import FairseqPenalties
 from ..search.beam_state import Beams, rank_candidates
 from ..search.finalize import build_finalize
 from ..search.pruning import Pruning
+from .common import Sources
 
 DECODINGS = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream")
 STREAMING = ("var-stream", "fixed-stream")
@@ -183,25 +184,12 @@ class StreamBeamGenerator(SequenceGenerator):
             raise NotImplementedError("fairseq_streambeam does not support lexical constraints; "
                                       "use --decoding fairseq")
         t0 = time.perf_counter()
-        net_input = sample["net_input"]
-        src_tokens = net_input["src_tokens"]
-        device = src_tokens.device
-        n_src = src_tokens.size(0)
-        lengths = src_tokens.ne(self.pad).sum(1).tolist()  # incl. EOS: fairseq's width of a lone source
-        ids = sample.get("id")
-        for i, n in enumerate(lengths):
-            if n > self.max_source_positions:
-                sid = int(ids[i]) if isinstance(ids, Tensor) else i
-                raise ValueError(f"source {sid} has {n} tokens, more than the model's "
-                                 f"{self.max_source_positions} source positions")
-        max_lens = [source_max_len(n, self.max_len_a, self.max_len_b, self.max_len) for n in lengths]
-        if max_lens and self.min_len > min(max_lens):
-            raise ValueError(f"--min-len {self.min_len} exceeds the maximum length {min(max_lens)} "
-                             "allowed by --max-len-a/--max-len-b and the model's positions")
-        left_pad = bool(src_tokens[:, 0].eq(self.pad).any()) if n_src else False
+        srcs = Sources.from_sample(sample, self.pad, self.max_len_a, self.max_len_b, self.max_len, self.min_len,
+                                   self.max_source_positions)
+        n_src, lengths = len(srcs), srcs.lengths
+        device = srcs.net_input["src_tokens"].device
         bos = self.eos if bos_token is None else bos_token
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]
-        sentence_ids = ids.tolist() if isinstance(ids, Tensor) else list(range(n_src))
         if self.scorer is not None:
             self.scorer.reset()
 
@@ -217,8 +205,7 @@ class StreamBeamGenerator(SequenceGenerator):
                     new = list(range(next_src, next_src + take))
                     next_src += take
                     live_tokens += sum(lengths[i] for i in new)
-                    cohorts.append(self._admit(net_input, new, n_src, lengths, max_lens, left_pad,
-                                               prefix_tokens, bos, device, sentence_ids))
+                    cohorts.append(self._admit(srcs, new, prefix_tokens, bos, device))
             i = self.scheduler.pick(cohorts)
             c = cohorts[i]
             for other in cohorts:
@@ -242,36 +229,23 @@ class StreamBeamGenerator(SequenceGenerator):
 
     # ---------------------------------------------------------------------------------------
 
-    def _admit(self, net_input, new: List[int], n_src: int, lengths: List[int], max_lens: List[int],
-               left_pad: bool, prefix_tokens: Optional[Tensor], bos: int, device,
-               sentence_ids: List[int]) -> Cohort:
+    def _admit(self, srcs: Sources, new: List[int], prefix_tokens: Optional[Tensor], bos: int, device) -> Cohort:
         """Encode sources `new` (window rows) together and start their beams."""
-        if len(new) == n_src:
-            sub = net_input
-        else:
-            rows = torch.tensor(new, device=device)
-            width = max(lengths[i] for i in new)
-            toks = net_input["src_tokens"].index_select(0, rows)
-            toks = toks[:, -width:] if left_pad else toks[:, :width]
-            sub = {"src_tokens": toks, "src_lengths": toks.ne(self.pad).sum(1)}
         t = self._tick()
-        enc = self.model.forward_encoder(sub)
+        enc = self.model.forward_encoder(srcs.subset_input(new))
         self.counters.model_seconds += self._tock(t)
         self.counters.encoder_calls += 1
         dtype = torch.float32
-        state = None if self.scorer is None else self.scorer.start([sentence_ids[i] for i in new], device)
+        state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
         beams = Beams.start(len(new), bos, device, dtype, state)
         prefix = None
         if prefix_tokens is not None:
-            prefix = prefix_tokens if len(new) == n_src else prefix_tokens[new[0]: new[-1] + 1]
+            prefix = prefix_tokens if len(new) == len(srcs) else prefix_tokens[new[0]: new[-1] + 1]
         cache = DecoderCache(self.model, enc, self.keep_encoder_out)
-        src_len = np.array([lengths[i] for i in new])
-        if len(new) == n_src:  # fairseq's own batch: its padded width
-            src_len_width = net_input["src_tokens"].size(1)
-        else:
-            src_len_width = int(src_len.max())
-        cohort = Cohort(new, [max_lens[i] for i in new], src_len, beams, cache, prefix, new[0], device, dtype)
-        cohort.src_width = src_len_width
+        src_len = np.array([srcs.lengths[i] for i in new])
+        cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, new[0], device, dtype)
+        if len(new) == len(srcs):  # fairseq's own batch: its padded width
+            cohort.src_width = srcs.net_input["src_tokens"].size(1)
         return cohort
 
     def _step(self, c: Cohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
