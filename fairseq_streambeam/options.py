@@ -6,7 +6,7 @@ from typing import Optional
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
-DECODING_CHOICES = ChoiceEnum(["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "fairseq"])
+DECODING_CHOICES = ChoiceEnum(["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "fairseq"])
 FINALIZE_CHOICES = ChoiceEnum(["auto", "fairseq", "sticky"])
 ORDER_CHOICES = ChoiceEnum(["min-length", "fifo"])
 
@@ -18,6 +18,7 @@ class StreamBeamConfig(TranslationConfig):
         metadata={"help": "beam: fixed beam (= fairseq's output); greedy: beam 1; var-batch: variable-"
                           "width beams (delta, M) per batch; var-stream: variable-width beams with "
                           "streaming refill (Yang et al. 2020); fixed-stream: fixed beam, streamed; "
+                          "iad: input-guided aggressive decoding (= greedy output, Ge et al. 2022); "
                           "fairseq: fairseq's own SequenceGenerator"},
     )
     prune_abs_threshold: Optional[float] = field(
@@ -49,6 +50,12 @@ class StreamBeamConfig(TranslationConfig):
         default=None, metadata={"help": "LMBR: per-word constant Theta0 (default -1/T of Tromble et al.)"})
     lmbr_p: float = field(default=0.85, metadata={"help": "LMBR linear-BLEU precision p (Tromble et al. 2008)"})
     lmbr_r: float = field(default=0.72, metadata={"help": "LMBR linear-BLEU precision ratio r"})
+    iad_ngram: int = field(
+        default=2, metadata={"help": "iad: after a mismatch, copy again once the output's last n tokens "
+                                     "occur exactly once in the source"})
+    block_size: int = field(
+        default=0, metadata={"help": "aggressive decoding: most draft tokens verified per pass (0 = auto: "
+                                     "the whole remaining source for one row, 8 when batched)"})
     stream_profile: bool = field(
         default=False, metadata={"help": "synchronize CUDA around model calls so the model vs "
                                          "bookkeeping time split is exact"})

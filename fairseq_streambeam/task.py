@@ -14,6 +14,8 @@ import logging
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationTask
 
+from .drafters.input_copy import InputCopyDrafter
+from .generators.aggressive import AggressiveGenerator
 from .generators.stream_beam import STREAMING, StreamBeamGenerator
 from .options import StreamBeamConfig, unsupported_generation_options
 from .runtime.scheduler import Budget
@@ -34,7 +36,7 @@ class StreamBeamTranslationTask(TranslationTask):
 
     @property
     def streaming(self) -> bool:
-        return str(self.cfg.decoding) in STREAMING
+        return str(self.cfg.decoding) in (*STREAMING, "iad")
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
@@ -62,6 +64,8 @@ class StreamBeamTranslationTask(TranslationTask):
         if bad:
             raise ValueError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
                              "use --decoding fairseq for those")
+        if str(self.cfg.decoding) == "iad":
+            return self._aggressive_generator(models, args)
         gen = StreamBeamGenerator(
             models, self.target_dictionary,
             beam_size=getattr(args, "beam", 5),
@@ -85,7 +89,24 @@ class StreamBeamTranslationTask(TranslationTask):
             profile=self.cfg.stream_profile,
             scorer=self._lmbr_scorer(len(models)),
         )
-        _report_at_exit(gen)
+        _report_at_exit(gen, gen.mode.name)
+        return gen
+
+    def _aggressive_generator(self, models, args):
+        if self.cfg.lmbr_posteriors:
+            raise ValueError("--lmbr-posteriors applies to the beam decodings, not --decoding iad")
+        if getattr(args, "nbest", 1) > 1:
+            raise ValueError("--decoding iad is greedy: it returns one hypothesis (--nbest 1)")
+        gen = AggressiveGenerator(
+            models, self.target_dictionary,
+            max_len_a=getattr(args, "max_len_a", 0), max_len_b=getattr(args, "max_len_b", 200),
+            max_len=getattr(args, "max_len", 0) or 0, min_len=getattr(args, "min_len", 1),
+            normalize_scores=not getattr(args, "unnormalized", False), len_penalty=getattr(args, "lenpen", 1),
+            unk_penalty=getattr(args, "unkpen", 0), temperature=getattr(args, "temperature", 1.0),
+            drafter=InputCopyDrafter(self.cfg.iad_ngram, self.cfg.block_size), budget=self.budget,
+            refill_eps=self.cfg.refill_eps,
+        )
+        _report_at_exit(gen, "iad")
         return gen
 
     def _lmbr_scorer(self, n_models: int):
@@ -98,16 +119,16 @@ class StreamBeamTranslationTask(TranslationTask):
         return LMBRScorer(load_posteriors(c.lmbr_posteriors), theta, lam, self.target_dictionary.pad())
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
-        if isinstance(generator, StreamBeamGenerator) and self.budget is not None:
+        if isinstance(generator, (StreamBeamGenerator, AggressiveGenerator)) and self.budget is not None:
             generator.scheduler.budget = self.budget  # live budget = this run's --batch-size/--max-tokens
         return super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens,
                                       constraints=constraints)
 
 
-def _report_at_exit(gen: StreamBeamGenerator) -> None:
+def _report_at_exit(gen, name: str) -> None:
     """Log the run's counters (decoder steps, expansions per step, time split) when the process
     ends; only the counters are kept alive, not the generator and its models."""
-    counters, name = gen.counters, gen.mode.name
+    counters = gen.counters
 
     def report() -> None:
         # under a test runner the logging streams may already be closed at exit

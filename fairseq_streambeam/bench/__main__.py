@@ -174,6 +174,7 @@ def main(argv=None):
             "expansions": c.expansions if c else None,
             "expansions_per_step": round(c.expansions_per_step, 2) if c else None,
             "padding_share": round(c.padding_share, 3) if c else None,
+            "accepted_per_pass": round(c.accepted_per_pass, 2) if c and c.accepted_tokens else None,
             "model_seconds": round(c.model_seconds / settings["repeats"], 3) if c else None,
             "peak_mb": r["peak"],
             "sentences_per_second": round(n / mean, 2),
@@ -238,6 +239,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.finalize = v.finalize or settings["finalize"]
     task.cfg.stream_order = v.stream_order or "min-length"
     task.cfg.stream_window = settings["stream_window"]
+    task.cfg.block_size = v.block_size or 0
     itr = task.get_batch_iterator(ts.dataset, max_sentences=v.batch_size or settings["batch_size"],
                                   max_tokens=settings["max_tokens"],
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=False)

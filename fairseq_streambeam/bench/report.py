@@ -9,7 +9,8 @@ from typing import Dict, List
 COLUMNS = [
     ("method", "method"), ("bleu", "BLEU"), ("chrf", "chrF"), ("seconds_mean", "time s (mean)"),
     ("seconds_std", "std"), ("ratio_to_baseline", "x baseline"), ("decoder_steps", "steps"),
-    ("expansions", "expansions"), ("expansions_per_step", "exp/step"), ("padding_share", "padding"),
+    ("expansions", "expansions"), ("expansions_per_step", "exp/step"), ("accepted_per_pass", "acc/pass"),
+    ("padding_share", "padding"),
     ("peak_mb", "peak MB"), ("sentences_per_second", "sent/s"), ("identical_to_exact_ref", "identical"),
 ]
 

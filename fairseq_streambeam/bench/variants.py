@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-DECODINGS = ("fairseq", "fairseq-greedy", "beam", "greedy", "var-batch", "var-stream", "fixed-stream", "ct2")
+DECODINGS = ("fairseq", "fairseq-greedy", "beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "ct2")
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Variant:
     finalize: Optional[str] = None
     stream_order: Optional[str] = None
     lmbr: bool = False  # score with the run's --lmbr-posteriors
+    block_size: Optional[int] = None  # aggressive decoding: draft cap (0 = auto)
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
@@ -41,6 +42,7 @@ BUILTIN: Dict[str, Variant] = {
     "fifo": Variant("fifo", "var-stream", stream_order="fifo"),
     "fixed-stream": Variant("fixed-stream", "fixed-stream"),
     "ct2": Variant("ct2", "ct2"),
+    "iad": Variant("iad", "iad", beam=1),
     "beam+lmbr": Variant("beam+lmbr", "beam", lmbr=True),
     "var-stream+lmbr": Variant("var-stream+lmbr", "var-stream", lmbr=True),
 }

@@ -12,6 +12,7 @@ class Counters:
     decoder_steps: int = 0  # model calls of the incremental decoder
     expansions: int = 0  # candidate rows expanded by the decoder, summed over steps
     encoder_calls: int = 0
+    accepted_tokens: int = 0  # aggressive decoding: output tokens accepted, summed over passes
     model_seconds: float = 0.0  # encoder + decoder calls
     total_seconds: float = 0.0  # whole generate calls
     source_positions: int = 0  # real source positions attended by the decoder rows, summed over steps
@@ -28,6 +29,10 @@ class Counters:
         return self.expansions / self.decoder_steps if self.decoder_steps else 0.0
 
     @property
+    def accepted_per_pass(self) -> float:
+        return self.accepted_tokens / self.decoder_steps if self.decoder_steps else 0.0
+
+    @property
     def bookkeeping_seconds(self) -> float:
         return max(0.0, self.total_seconds - self.model_seconds)
 
@@ -36,14 +41,16 @@ class Counters:
         d.pop("trace")
         d["padding_share"] = round(self.padding_share, 4)
         d["expansions_per_step"] = round(self.expansions_per_step, 2)
+        d["accepted_per_pass"] = round(self.accepted_per_pass, 2)
         d["bookkeeping_seconds"] = round(self.bookkeeping_seconds, 3)
         d["sentences_per_second"] = round(self.sentences / self.total_seconds, 2) if self.total_seconds else 0.0
         return d
 
     def summary(self) -> str:
         d = self.as_dict()
+        accepted = f", {d['accepted_per_pass']} tokens accepted per pass" if self.accepted_tokens else ""
         return (
             f"{d['sentences']} sentences, {d['decoder_steps']} decoder steps, {d['expansions']} expansions "
-            f"({d['expansions_per_step']} per step), {d['sentences_per_second']} sentences/s, "
+            f"({d['expansions_per_step']} per step){accepted}, {d['sentences_per_second']} sentences/s, "
             f"model {self.model_seconds:.2f}s + bookkeeping {d['bookkeeping_seconds']:.2f}s"
         )

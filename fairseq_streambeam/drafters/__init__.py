@@ -1,0 +1,1 @@
+"""Drafters for aggressive decoding: produce a block of draft tokens per source."""

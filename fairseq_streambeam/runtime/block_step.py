@@ -1,0 +1,113 @@
+"""Block decoder step for aggressive decoding: feed several target tokens per row in one pass over
+the cached prefix, and roll rows back by masking cache slots.
+
+fairseq adapter. fairseq's TransformerDecoder in incremental mode only processes the last token
+(`prev_output_tokens[:, -1:]`) and builds no causal mask, so verifying a draft block would need one
+call per token. `forward_block` runs the same embedding, layers and output projection on a block,
+with per-row positions and a causal mask within the block; fairseq's MultiheadAttention appends
+the block to its cached keys and keeps a key padding mask, which is how rejected draft slots and
+rows of different real lengths are handled: masked slots get exactly zero attention weight.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+from fairseq.modules.multihead_attention import MultiheadAttention
+from torch import Tensor
+
+IncState = Dict[str, Dict[str, Optional[Tensor]]]
+
+
+def check_block_decoder(decoder) -> None:
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    if not isinstance(decoder, TransformerDecoderBase):
+        raise ValueError("aggressive decoding needs fairseq transformer decoders "
+                         f"(TransformerDecoderBase); got {type(decoder).__name__}")
+    if getattr(decoder, "cross_self_attention", False):
+        raise ValueError("aggressive decoding does not support --cross-self-attention decoders")
+
+
+def _position_table(decoder, length: int, device) -> Optional[Tensor]:
+    """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0)."""
+    if decoder.embed_positions is None:
+        return None
+    probe = torch.full((1, length), decoder.padding_idx + 1, dtype=torch.long, device=device)
+    return decoder.embed_positions(probe)[0]
+
+
+def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state: IncState,
+                  block_pad: Tensor) -> Tensor:
+    """Logits [N, m, V] for block `tokens` [N, m] at target positions `positions` [N, m]; appends
+    the block to the cache in `state`. `block_pad` [N, m] marks padding inside the block."""
+    m = tokens.size(1)
+    x = decoder.embed_scale * decoder.embed_tokens(tokens)
+    if decoder.quant_noise is not None:
+        x = decoder.quant_noise(x)
+    if decoder.project_in_dim is not None:
+        x = decoder.project_in_dim(x)
+    table = _position_table(decoder, int(positions.max()) + 1, tokens.device)
+    if table is not None:
+        x = x + table[positions]
+    if decoder.layernorm_embedding is not None:
+        x = decoder.layernorm_embedding(x)
+    x = decoder.dropout_module(x).transpose(0, 1)
+
+    prev = cached_length(decoder, state)
+    mask = torch.zeros(m, prev + m, dtype=x.dtype, device=x.device)
+    mask[:, prev:] = torch.triu(torch.full((m, m), -math.inf, dtype=x.dtype, device=x.device), 1)
+    enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) else None
+    enc_mask = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
+    for layer in decoder.layers:
+        x, _, _ = layer(x, enc, enc_mask, state, self_attn_mask=mask, self_attn_padding_mask=block_pad)
+    if decoder.layer_norm is not None:
+        x = decoder.layer_norm(x)
+    x = x.transpose(0, 1)
+    if decoder.project_out_dim is not None:
+        x = decoder.project_out_dim(x)
+    return decoder.output_layer(x)
+
+
+def _self_attn_modules(decoder) -> List[MultiheadAttention]:
+    return [layer.self_attn for layer in decoder.layers]
+
+
+def cached_length(decoder, state: IncState) -> int:
+    """Physical length of the self-attention cache (0 before the first block)."""
+    buf = _self_attn_modules(decoder)[0]._get_input_buffer(state)
+    return 0 if not buf or buf.get("prev_key") is None else buf["prev_key"].size(2)  # type: ignore[union-attr]
+
+
+def mask_slots(decoder, state: IncState, masked: Tensor) -> None:
+    """Mark self-attention cache slots `masked` [N, P] as padding (roll back rejected drafts)."""
+    for mha in _self_attn_modules(decoder):
+        buf = mha._get_input_buffer(state)
+        old = buf.get("prev_key_padding_mask")
+        if old is None:
+            old = torch.zeros_like(masked)
+        buf["prev_key_padding_mask"] = old.bool() | masked  # fairseq stores it as float after appending
+        mha._set_input_buffer(state, buf)
+
+
+def compact(decoder, state: IncState) -> None:
+    """Drop masked self-attention slots, keeping each row's valid slots in order (left-aligned)."""
+    mods = _self_attn_modules(decoder)
+    buf0 = mods[0]._get_input_buffer(state)
+    mask = buf0.get("prev_key_padding_mask")
+    if mask is None:
+        return
+    valid = ~mask
+    keep = int(valid.sum(1).max())
+    order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices[:, :keep]  # valid slots first
+    new_mask = ~valid.gather(1, order)
+    for mha in mods:
+        buf = mha._get_input_buffer(state)
+        for name in ("prev_key", "prev_value"):
+            t = buf[name]
+            idx = order[:, None, :, None].expand(t.size(0), t.size(1), keep, t.size(3))
+            buf[name] = t.gather(2, idx)
+        buf["prev_key_padding_mask"] = new_mask
+        mha._set_input_buffer(state, buf)

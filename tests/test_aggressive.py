@@ -1,0 +1,140 @@
+"""Invariant 3: IAD == greedy decoding (fairseq --beam 1), token for token, whatever the batch,
+refill, block size and drafts; float64 where batch composition could move a float32 rounding."""
+
+import re
+
+import pytest
+import torch
+from helpers import (
+    BIN,
+    N_TEST,
+    REPO,
+    assert_same_hypos,
+    fairseq_generate,
+    load_checkpoints,
+    make_dict,
+    make_sample,
+    random_sentences,
+    random_transformer,
+    run_cli,
+    shared_path,
+)
+
+from fairseq_streambeam import Budget
+from fairseq_streambeam.drafters.input_copy import CopyState, InputCopyDrafter
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+
+D = make_dict(30)
+
+
+def iad(models, sample, **kw):
+    gen = AggressiveGenerator(models, D, **kw)
+    return gen.generate(models, sample), gen
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("n,block", [(100, 0), (3, 0), (2, 2), (1, 1)])
+def test_iad_equals_greedy_on_random_models(seed, n, block):
+    m = random_transformer(D, 50 + seed, eos_bias=2.0).double()
+    s = make_sample(D, random_sentences(D, 10, 60 + seed, max_len=14))
+    kw = dict(max_len_b=12, min_len=2, unk_penalty=0.3, len_penalty=0.8)
+    ref = fairseq_generate([m], D, s, beam_size=1, **kw)
+    got, gen = iad([m], s, budget=Budget(n), drafter=InputCopyDrafter(2, block), **kw)
+    assert_same_hypos(ref, got)
+    assert gen.counters.sentences == 10
+
+
+class OracleDrafter(InputCopyDrafter):
+    """Drafts the true greedy continuation with every 5th token corrupted: long acceptances,
+    bifurcations and rollbacks in every pass, whatever the random model does."""
+
+    def __init__(self, truth):
+        super().__init__(2, 0)
+        self.truth = truth
+
+    def start(self, src):
+        return CopyState(src, 0)
+
+    def draft(self, st, batched=False):
+        out_len = st.pos
+        t = self.truth[tuple(st.src)][out_len:]
+        return [w if (out_len + i) % 5 != 4 else 4 for i, w in enumerate(t)]
+
+    def update(self, st, draft, matched, output):
+        st.pos = len(output)
+
+
+def test_long_accepts_and_rollbacks_with_compaction():
+    m = random_transformer(D, 70, eos_bias=1.0).double()
+    sents = random_sentences(D, 8, 71, max_len=14)
+    s = make_sample(D, sents)
+    ref = fairseq_generate([m], D, s, beam_size=1, max_len_b=25)
+    src_rows = [s["net_input"]["src_tokens"][i] for i in range(len(sents))]
+    truth = {tuple(r[r.ne(D.pad())].tolist()): h[0]["tokens"].tolist() for r, h in zip(src_rows, ref)}
+    got, gen = iad([m], s, max_len_b=25, budget=Budget(3), drafter=OracleDrafter(truth), compact_slack=0)
+    assert_same_hypos(ref, got)
+    assert gen.counters.accepted_per_pass > 2  # the drafts were really accepted in blocks
+
+
+def test_iad_ensemble_equals_greedy():
+    models = [random_transformer(D, 80).double(), random_transformer(D, 81).double()]
+    s = make_sample(D, random_sentences(D, 6, 82))
+    assert_same_hypos(fairseq_generate(models, D, s, beam_size=1, max_len_b=10), iad(models, s, max_len_b=10)[0])
+
+
+def test_gec_tiny_iad_equals_greedy_and_copies():
+    root = shared_path("models", "gec-tiny")
+    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin", source_lang="src",
+                                    target_lang="trg")
+    models = [m.double() for m in models]
+    task.load_dataset("test")
+    ds, d = task.dataset("test"), task.target_dictionary
+    s = make_sample(d, [ds.src[i][:-1].tolist() for i in range(0, 1312, 60)])
+    ref = fairseq_generate(models, d, s, beam_size=1)
+    for n in (1, 6):
+        gen = AggressiveGenerator(models, d, budget=Budget(n))
+        assert_same_hypos(ref, gen.generate(models, s), msg=f"budget {n}")
+        assert gen.counters.accepted_per_pass > 3  # GEC output copies the input: drafts are accepted
+
+
+def test_drafter_realigns_on_a_unique_ngram():
+    dr = InputCopyDrafter(ngram=2, block_size=3)
+    st = dr.start([5, 6, 7, 8, 9, 5, 2])
+    assert dr.draft(st) == [5, 6, 7]
+    dr.update(st, [5, 6, 7], 1, [5, 11])  # bifurcation after 5: (5, 11) is not in the source
+    assert st.pos is None and dr.draft(st) == []
+    dr.update(st, [], 0, [5, 11, 7, 8])  # (7, 8) occurs once: copy from 9 on
+    assert dr.draft(st) == [9, 5, 2]
+    dr.update(st, [9, 5, 2], 0, [5, 11, 7, 8, 5])  # (8, 5) does not occur: lost again
+    assert st.pos is None
+    with pytest.raises(ValueError, match="iad-ngram"):
+        InputCopyDrafter(ngram=0)
+    with pytest.raises(ValueError, match="block-size"):
+        InputCopyDrafter(block_size=-1)
+
+
+def test_empty_source_and_refused_inputs():
+    m = random_transformer(D, 90)
+    s = make_sample(D, [[], [5, 6]])
+    out, _ = iad([m], s, max_len_b=6)
+    assert all(h[0]["tokens"][-1].item() == D.eos() for h in out)
+    with pytest.raises(NotImplementedError, match="prefix"):
+        AggressiveGenerator([m], D).generate([m], s, prefix_tokens=torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
+        AggressiveGenerator([m], make_dict(31))
+
+
+def test_fairseq_generate_iad(tiny_run):
+    data, ckpt = tiny_run
+    common = [str(BIN / "fairseq-generate"), str(data), "--user-dir", str(REPO / "fairseq_streambeam"), "--task",
+              "streambeam_translation", "--path", str(ckpt), "--gen-subset", "test", "-s", "src", "-t", "tgt",
+              "--cpu", "--batch-size", "5", "--beam", "1"]
+    got = run_cli([*common, "--decoding", "iad", "--stream-window", "4"])
+    ref = run_cli([*common, "--decoding", "fairseq"])
+    assert got.returncode == 0 and ref.returncode == 0, got.stderr[-2000:] + ref.stderr[-2000:]
+    hyp = dict(re.findall(r"^H-(\d+)\t\S+\t(.*)$", got.stdout, re.M))
+    assert sorted(map(int, hyp)) == list(range(N_TEST))
+    want = dict(re.findall(r"^H-(\d+)\t\S+\t(.*)$", ref.stdout, re.M))
+    same = sum(hyp[k] == want[k] for k in want)
+    assert same >= N_TEST - 2, f"float32 agreement with greedy {same}/{N_TEST}"  # float64 tests are exact
+    assert "tokens accepted per pass" in got.stdout + got.stderr
