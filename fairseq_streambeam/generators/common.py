@@ -48,7 +48,7 @@ class Sources:
     def subset_input(self, rows: List[int]) -> dict:
         """Encoder input for window rows `rows`, re-collated without the window's extra padding
         (the whole window is passed through untouched, as fairseq would encode it)."""
-        if len(rows) == len(self):
+        if self.is_whole(rows):
             return self.net_input
         src = self.net_input["src_tokens"]
         idx = torch.tensor(rows, device=src.device)
@@ -56,6 +56,10 @@ class Sources:
         toks = src.index_select(0, idx)
         toks = toks[:, -width:] if self.left_pad else toks[:, :width]
         return {"src_tokens": toks, "src_lengths": toks.ne(self.pad).sum(1)}
+
+    def is_whole(self, rows: List[int]) -> bool:
+        """`rows` is the whole window in its own order (fairseq's batch as it came)."""
+        return len(rows) == len(self) and all(i == r for i, r in enumerate(rows))
 
     def tokens(self, row: int) -> List[int]:
         """Source tokens of window row `row` (without padding, with EOS)."""

@@ -194,18 +194,24 @@ class StreamBeamGenerator(SequenceGenerator):
             self.scorer.reset()
 
         cohorts: List[Cohort] = []
+        # streaming admits sources shortest first, so cohorts (and their merges) pad little;
+        # batch modes keep fairseq's batch as it is. Output is per window row either way.
+        order = list(range(n_src))
+        if self.mode.policy != "batch":
+            order.sort(key=lengths.__getitem__)
         next_src = 0
         live_tokens = 0
         while next_src < n_src or cohorts:
             live = sum(len(c.ids) for c in cohorts)
             unstepped = any(c.length == 0 for c in cohorts)
             if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens):
-                take = self.scheduler.admit(live, live_tokens, itertools.islice(lengths, next_src, None))
+                pending = (lengths[i] for i in itertools.islice(order, next_src, None))
+                take = self.scheduler.admit(live, live_tokens, pending)
                 if take:
-                    new = list(range(next_src, next_src + take))
+                    new = order[next_src: next_src + take]
                     next_src += take
                     live_tokens += sum(lengths[i] for i in new)
-                    cohorts.append(self._admit(srcs, new, prefix_tokens, bos, device))
+                    cohorts.append(self._admit(srcs, new, prefix_tokens, bos, device, serial=next_src))
             i = self.scheduler.pick(cohorts)
             c = cohorts[i]
             for other in cohorts:
@@ -229,7 +235,8 @@ class StreamBeamGenerator(SequenceGenerator):
 
     # ---------------------------------------------------------------------------------------
 
-    def _admit(self, srcs: Sources, new: List[int], prefix_tokens: Optional[Tensor], bos: int, device) -> Cohort:
+    def _admit(self, srcs: Sources, new: List[int], prefix_tokens: Optional[Tensor], bos: int, device,
+               serial: int) -> Cohort:
         """Encode sources `new` (window rows) together and start their beams."""
         t = self._tick()
         enc = self.model.forward_encoder(srcs.subset_input(new))
@@ -240,11 +247,12 @@ class StreamBeamGenerator(SequenceGenerator):
         beams = Beams.start(len(new), bos, device, dtype, state)
         prefix = None
         if prefix_tokens is not None:
-            prefix = prefix_tokens if len(new) == len(srcs) else prefix_tokens[new[0]: new[-1] + 1]
+            prefix = prefix_tokens if srcs.is_whole(new) else prefix_tokens.index_select(
+                0, torch.tensor(new, device=device))
         cache = DecoderCache(self.model, enc, self.keep_encoder_out)
         src_len = np.array([srcs.lengths[i] for i in new])
-        cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, new[0], device, dtype)
-        if len(new) == len(srcs):  # fairseq's own batch: its padded width
+        cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, serial, device, dtype)
+        if srcs.is_whole(new):  # fairseq's own batch: its padded width
             cohort.src_width = srcs.net_input["src_tokens"].size(1)
         return cohort
 
