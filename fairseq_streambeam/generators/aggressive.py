@@ -145,7 +145,9 @@ class AggressiveGenerator(SequenceGenerator):
         steps = torch.tensor([len(r.out) for r in g.rows], device=dev).unsqueeze(1) + torch.arange(m, device=dev)
         lprobs = self._penalties(lprobs, steps, torch.tensor([r.max_len for r in g.rows], device=dev))
         best_lp, best = lprobs.max(dim=2)
-        best_h, lp_h = best.cpu().numpy(), best_lp.cpu().numpy()  # the one host sync of the pass
+        # the one host sync of the pass (token ids are exact in float32 below 2**24)
+        best_h, lp_h = torch.stack([best.to(best_lp.dtype), best_lp]).cpu().numpy()
+        best_h = best_h.astype("int64")
 
         rejected = torch.zeros(n, m, dtype=torch.bool)
         done_rows, finished_tokens = [], 0
@@ -173,7 +175,8 @@ class AggressiveGenerator(SequenceGenerator):
         for mdl, st in zip(self.model.models, g.states):
             mask_slots(mdl.decoder, st, masked)
         if done_rows:
-            keep = [i for i in range(n) if i not in set(done_rows)]
+            done_set = set(done_rows)
+            keep = [i for i in range(n) if i not in done_set]
             idx = torch.tensor(keep, dtype=torch.long, device=dev)
             for mdl, st in zip(self.model.models, g.states):
                 reorder_incremental_state(mdl.decoder, st, idx)
