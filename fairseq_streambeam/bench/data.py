@@ -1,13 +1,14 @@
 """Benchmark inputs: a fairseq data-bin split, or raw source/reference files encoded with fairseq's
 own tokenizer/BPE classes (moses + fastBPE for the WMT'19 models, sentencepiece for deen-tiny)."""
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
 from fairseq.data import LanguagePairDataset
+
+from ..textio import TextCodec
 
 
 @dataclass
@@ -47,29 +48,9 @@ def from_raw(task, src_path: str, ref_path: str, limit: int, tokenizer: str, bpe
     if len(src_lines) != len(ref_lines):
         raise ValueError(f"{src_path} has {len(src_lines)} lines but {ref_path} has {len(ref_lines)}")
     keep = _every(len(src_lines), limit)
-    tok = task.build_tokenizer(argparse.Namespace(
-        tokenizer=None if tokenizer == "none" else tokenizer, moses_source_lang=task.cfg.source_lang,
-        moses_target_lang=task.cfg.target_lang, moses_no_dash_splits=False, moses_no_escape=False))
-    bpe_obj = task.build_bpe(argparse.Namespace(bpe=None if bpe == "none" else bpe, bpe_codes=bpe_codes,
-                                                sentencepiece_model=sentencepiece_model))
-    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-
-    def encode(line: str) -> torch.Tensor:
-        if tok is not None:
-            line = tok.encode(line)
-        if bpe_obj is not None:
-            line = bpe_obj.encode(line)
-        return src_dict.encode_line(line, add_if_not_exist=False, append_eos=True).long()
-
-    def decode(ids: List[int]) -> str:
-        text = tgt_dict.string(torch.tensor(ids))
-        if bpe_obj is not None:
-            text = bpe_obj.decode(text)
-        if tok is not None:
-            text = tok.decode(text)
-        return text
-
-    src = [encode(src_lines[i]) for i in keep]
-    dataset = LanguagePairDataset(src, [len(x) for x in src], src_dict, tgt_dict=tgt_dict)
-    return TestSet(dataset, [ref_lines[i] for i in keep], decode,
+    codec = TextCodec(task, tokenizer, bpe, bpe_codes, sentencepiece_model)
+    src_dict = task.source_dictionary
+    src = [codec.encode(src_lines[i]) for i in keep]
+    dataset = LanguagePairDataset(src, [len(x) for x in src], src_dict, tgt_dict=task.target_dictionary)
+    return TestSet(dataset, [ref_lines[i] for i in keep], codec.decode,
                    [[src_dict[i] for i in s[:-1].tolist()] for s in src], keep)

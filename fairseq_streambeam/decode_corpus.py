@@ -1,0 +1,280 @@
+"""Sharded, resumable decoding of large corpora (back-translation, distillation).
+
+The input files are read as one stream of lines and cut into shards of `--shard-lines`. Each
+shard is decoded with the plugin's task (streaming by default) and written as
+`shards/shard-NNNNN.out` plus a record `shard-NNNNN.json` (line range, checksum, counters, bad-input
+counts), each through a temporary file, fsync and rename, so a killed run never leaves a half
+shard that looks done. Re-running the same command skips finished shards and redoes the rest.
+When every shard is done, `output.txt` is merged in input order (exactly one line per input line)
+with `manifest.json`.
+
+Workers come from a launcher, not from here: under `torchrun --nproc-per-node N` (or a Slurm
+array: SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT) worker r decodes shards r, r+N, ...; with
+torchrun the workers meet at a barrier (gloo) and rank 0 merges; otherwise whichever worker finds
+all shards done merges (merging is idempotent).
+
+  python -m fairseq_streambeam.decode_corpus --input corpus.de --output-dir out \\
+      --data DICT_DIR --path model.pt -s de -t en --bpe sentencepiece --sentencepiece-model spm.model
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+SHARD = "shard-{:05d}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.decode_corpus",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="raw text file(s), read as one stream of lines")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--data", required=True, help="directory with the model's dictionaries")
+    p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
+    p.add_argument("-s", "--source-lang", required=True)
+    p.add_argument("-t", "--target-lang", required=True)
+    p.add_argument("--tokenizer", default="none")
+    p.add_argument("--bpe", default="none")
+    p.add_argument("--bpe-codes")
+    p.add_argument("--sentencepiece-model")
+    p.add_argument("--shard-lines", type=int, default=100_000)
+    p.add_argument("--decoding", default="var-stream",
+                   choices=["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad"])
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--lenpen", type=float, default=1.0)
+    p.add_argument("--max-len-a", type=float, default=0)
+    p.add_argument("--max-len-b", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (set explicitly)")
+    p.add_argument("--cpu", action="store_true", help="do not use CUDA even when present")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+# ---- input and bookkeeping (no model) ----------------------------------------------------------
+
+
+def read_lines(paths: List[str]) -> Tuple[List[bytes], List[dict]]:
+    """Every input line as raw bytes (no newline), and per-file facts for the manifest."""
+    lines: List[bytes] = []
+    files = []
+    for path in paths:
+        data = Path(path).read_bytes()
+        file_lines = data.split(b"\n")
+        if file_lines and file_lines[-1] == b"":
+            file_lines.pop()
+        lines += [x[:-1] if x.endswith(b"\r") else x for x in file_lines]
+        files.append({"path": str(path), "lines": len(file_lines), "sha256": hashlib.sha256(data).hexdigest()})
+    return lines, files
+
+
+def shard_ranges(n_lines: int, shard_lines: int) -> List[Tuple[int, int]]:
+    if shard_lines < 1:
+        raise ValueError(f"--shard-lines must be >= 1, got {shard_lines}")
+    return [(a, min(a + shard_lines, n_lines)) for a in range(0, n_lines, shard_lines)]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary name, fsync, rename: a crash leaves the old file or none, never half."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checksum(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def shard_done(shard_dir: Path, sid: int, rng: Tuple[int, int]) -> bool:
+    """Done = its record exists, matches the range, and the output matches the record's checksum."""
+    rec_path = shard_dir / (SHARD.format(sid) + ".json")
+    out_path = shard_dir / (SHARD.format(sid) + ".out")
+    if not rec_path.exists() or not out_path.exists():
+        return False
+    try:
+        rec = json.loads(rec_path.read_text())
+    except ValueError:
+        return False
+    return (rec.get("status") == "done" and (rec.get("start"), rec.get("end")) == rng
+            and rec.get("checksum") == checksum(out_path.read_text(encoding="utf-8")))
+
+
+def worker_identity() -> Tuple[int, int]:
+    """(rank, world) from torchrun (RANK/WORLD_SIZE) or a Slurm array; (0, 1) otherwise."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
+    if "SLURM_ARRAY_TASK_COUNT" in os.environ:
+        first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0))
+        return int(os.environ["SLURM_ARRAY_TASK_ID"]) - first, int(os.environ["SLURM_ARRAY_TASK_COUNT"])
+    return 0, 1
+
+
+def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict) -> bool:
+    """Write output.txt and manifest.json if every shard is done; return whether it merged."""
+    shard_dir = out_dir / "shards"
+    if not all(shard_done(shard_dir, i, r) for i, r in enumerate(ranges)):
+        return False
+    records = [json.loads((shard_dir / (SHARD.format(i) + ".json")).read_text()) for i in range(len(ranges))]
+    text = "".join((shard_dir / (SHARD.format(i) + ".out")).read_text(encoding="utf-8") for i in range(len(ranges)))
+    n_lines = ranges[-1][1] if ranges else 0
+    assert text.count("\n") == n_lines, "merged output must have one line per input line"
+    write_atomic(out_dir / "output.txt", text)
+    totals: Dict[str, float] = {}
+    for rec in records:
+        for k, v in {**rec["counters"], **{f"bad_{k}": v for k, v in rec["bad"].items()}}.items():
+            if isinstance(v, (int, float)):
+                totals[k] = totals.get(k, 0) + v
+    manifest = {"inputs": files, "lines": n_lines, "options": options, "shards": records, "totals": totals,
+                "output": {"path": "output.txt", "checksum": checksum(text)}}
+    write_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1))
+    return True
+
+
+# ---- decoding -----------------------------------------------------------------------------------
+
+
+class ShardDecoder:
+    """Loads the model once per worker and decodes shards of raw lines to detokenized lines."""
+
+    def __init__(self, args):
+        import torch
+        from fairseq import checkpoint_utils, utils
+
+        import fairseq_streambeam  # noqa: F401
+        from fairseq_streambeam.options import StreamBeamConfig
+        from fairseq_streambeam.task import StreamBeamTranslationTask
+        from fairseq_streambeam.textio import TextCodec
+
+        torch.set_num_threads(args.threads)
+        cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
+                               train_subset="train", dataset_impl=None, required_seq_len_multiple=1,
+                               decoding=args.decoding)
+        self.task = StreamBeamTranslationTask.setup_task(cfg)
+        self.models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=self.task)
+        self.cuda = torch.cuda.is_available() and not args.cpu
+        for m in self.models:
+            m.eval()
+            if self.cuda:
+                m.cuda()
+        self.codec = TextCodec(self.task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
+        self.args = args
+        self.max_src = min(m.max_positions()[0] for m in self.models)
+        gen_args = argparse.Namespace(beam=1 if args.decoding in ("greedy", "iad") else args.beam,
+                                      lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+                                      min_len=1, unkpen=0, temperature=1.0, nbest=1, unnormalized=False)
+        # the generator is built per shard (after batching, which sets the live budget)
+        self.gen_args = gen_args
+
+    def decode(self, raw: List[bytes], progress) -> Tuple[List[str], dict, dict]:
+        from fairseq import utils
+        from fairseq.data import LanguagePairDataset
+
+        bad = {"invalid_utf8": 0, "empty": 0, "too_long": 0}
+        src = []
+        for line in raw:
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                text = line.decode("utf-8", errors="replace")
+                bad["invalid_utf8"] += 1
+            if not text.strip():
+                bad["empty"] += 1
+            ids = self.codec.encode(text)
+            if len(ids) > self.max_src:  # keep the first max-1 tokens and EOS, decode, count it
+                ids = ids[: self.max_src]
+                ids[-1] = self.codec.src_dict.eos()
+                bad["too_long"] += 1
+            src.append(ids)
+        ds = LanguagePairDataset(src, [len(x) for x in src], self.task.source_dictionary,
+                                 tgt_dict=self.task.target_dictionary)
+        itr = self.task.get_batch_iterator(ds, max_sentences=self.args.batch_size, max_tokens=self.args.max_tokens,
+                                           disable_iterator_cache=True).next_epoch_itr(shuffle=False)
+        gen = self.task.build_generator(self.models, self.gen_args)
+        out: Dict[int, str] = {}
+        for sample in itr:
+            if self.cuda:
+                sample = utils.move_to_cuda(sample)
+            hypos = self.task.inference_step(gen, self.models, sample)
+            for i, sid in enumerate(sample["id"].tolist()):
+                out[sid] = self.codec.decode(hypos[i][0]["tokens"].tolist()).replace("\n", " ")
+            progress.update(len(hypos))
+        return [out[i] for i in range(len(raw))], gen.counters.as_dict(), bad
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    out_dir = Path(args.output_dir)
+    shard_dir = out_dir / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    lines, files = read_lines(args.input)
+    ranges = shard_ranges(len(lines), args.shard_lines)
+    options = {k: v for k, v in vars(args).items() if k not in ("output_dir", "quiet")}
+    rank, world = worker_identity()
+    dist = _init_distributed(world)
+    mine = [i for i in range(len(ranges)) if i % world == rank]
+    todo = [i for i in mine if not shard_done(shard_dir, i, ranges[i])]
+    print(f"worker {rank}/{world}: {len(ranges)} shards of {args.shard_lines} lines, {len(mine)} mine, "
+          f"{len(mine) - len(todo)} already done, {len(todo)} to decode", flush=True)
+    if todo:
+        from tqdm import tqdm
+
+        dec = ShardDecoder(args)
+        total = sum(ranges[i][1] - ranges[i][0] for i in todo)
+        t0, done_lines = time.perf_counter(), 0
+        for i in todo:
+            a, b = ranges[i]
+            with tqdm(total=b - a, desc=f"[{rank}] {SHARD.format(i)}", disable=args.quiet, leave=False,
+                      file=sys.stderr) as bar:
+                hyps, counters, bad = dec.decode(lines[a:b], bar)
+            text = "".join(h + "\n" for h in hyps)
+            write_atomic(shard_dir / (SHARD.format(i) + ".out"), text)
+            record = {"id": i, "start": a, "end": b, "status": "done", "checksum": checksum(text),
+                      "worker": rank, "counters": counters, "bad": bad}
+            write_atomic(shard_dir / (SHARD.format(i) + ".json"), json.dumps(record))
+            done_lines += b - a
+            rate = done_lines / max(time.perf_counter() - t0, 1e-9)
+            print(f"[{rank}] {SHARD.format(i)} done: {done_lines}/{total} lines, {rate:.1f} sentences/s, "
+                  f"ETA {(total - done_lines) / rate:.0f}s", flush=True)
+            _test_crash_hook(i)
+    if dist is not None:
+        dist.barrier()
+    if rank == 0 or dist is None:
+        if merge(out_dir, ranges, files, options):
+            print(f"merged {len(lines)} lines into {out_dir / 'output.txt'}", flush=True)
+        elif dist is None:
+            print("not merged yet: other shards are still pending (re-run, or wait for the other workers)")
+    if dist is not None:
+        dist.destroy_process_group()
+    return 0
+
+
+def _init_distributed(world: int):
+    """gloo process group under torchrun, for the barrier before the merge (None otherwise)."""
+    if world <= 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    return dist
+
+
+def _test_crash_hook(shard: int) -> None:
+    """Tests simulate a killed worker: STREAMBEAM_CRASH_AFTER_SHARD=k exits hard after shard k."""
+    if os.environ.get("STREAMBEAM_CRASH_AFTER_SHARD") == str(shard):
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
