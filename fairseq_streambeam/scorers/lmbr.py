@@ -133,42 +133,47 @@ class LMBRScorer:
         return torch.tensor([t.root for t in tables], dtype=torch.long, device=device)
 
     def _entries(self, rows: Tensor) -> Tuple[Tensor, Tensor]:
-        """Entry indices [N, E] of each row (clamped) and their validity mask."""
+        """Entry indices [..., E] of each row (clamped) and their validity mask; rows -1 have none."""
         span = torch.arange(max(self.max_entries, 1), device=rows.device)
-        ok = (rows >= 0).unsqueeze(1) & (span < self.count[rows.clamp(min=0)].unsqueeze(1))
-        idx = (self.row_ptr[rows.clamp(min=0)].unsqueeze(1) + span).clamp(max=max(self.ent_tok.numel() - 1, 0))
+        safe = rows.clamp(min=0).unsqueeze(-1)
+        ok = (rows >= 0).unsqueeze(-1) & (span < self.count[safe])
+        idx = (self.row_ptr[safe] + span).clamp(max=max(self.ent_tok.numel() - 1, 0))
         return idx, ok
 
+    def chain(self, state: Tensor) -> Tensor:
+        """[N, 4] rows along each candidate's back-off chain (-1 past the root)."""
+        levels = [state]
+        for _ in range(MAX_ORDER - 1):
+            r = levels[-1]
+            levels.append(torch.where(r >= 0, self.backoff[r.clamp(min=0)], r))
+        return torch.stack(levels, 1)
+
     def score(self, lprobs: Tensor, state: Tensor) -> Tensor:
-        """lambda * lprobs + Theta0 + the rows along each candidate's back-off chain."""
-        out = lprobs * self.lam + self.theta.theta0 if self.lam != 1.0 or self.theta.theta0 else lprobs
+        """lambda * lprobs + Theta0 + the rows along each candidate's back-off chain, added with
+        one gather and one in-place scatter-add over all chain levels."""
+        if self.lam != 1.0:
+            lprobs.mul_(self.lam)
+        if self.theta.theta0:
+            lprobs.add_(self.theta.theta0)
         if self.ent_tok is None or self.ent_tok.numel() == 0:
-            return out
-        rows = state
-        for _ in range(MAX_ORDER):
-            idx, ok = self._entries(rows)
-            add = torch.where(ok, self.ent_score[idx], torch.zeros((), dtype=self.ent_score.dtype,
-                                                                   device=lprobs.device))
-            out = out.scatter_add(1, self.ent_tok[idx], add.to(out.dtype))
-            rows = torch.where(rows >= 0, self.backoff[rows.clamp(min=0)], rows)
-        return out
+            return lprobs
+        idx, ok = self._entries(self.chain(state))  # [N, 4, E]
+        add = torch.where(ok, self.ent_score[idx], torch.zeros((), dtype=self.ent_score.dtype, device=idx.device))
+        n = lprobs.size(0)
+        return lprobs.scatter_add_(1, self.ent_tok[idx].view(n, -1), add.view(n, -1).to(lprobs.dtype))
 
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
-        """Row after appending `tokens`: the longest suffix of the new history in the evidence.
+        """Row after appending `tokens`: the longest suffix of the new history in the evidence
+        (the first chain level whose row has `tokens` as an extension), else the sentence's root.
         Carried (finished) candidates, marked by token `pad`, keep their row."""
         if self.ent_tok is None or self.ent_tok.numel() == 0:
             return state
-        nxt = self.root_of[state]
-        found = torch.zeros_like(state, dtype=torch.bool)
-        rows = state
-        for _ in range(MAX_ORDER):
-            idx, ok = self._entries(rows)
-            hit = ok & (self.ent_tok[idx] == tokens.unsqueeze(1)) & (self.ent_next[idx] >= 0)
-            cand = torch.where(hit, self.ent_next[idx], torch.full_like(idx, -1)).max(dim=1).values
-            take = ~found & (cand >= 0)
-            nxt = torch.where(take, cand, nxt)
-            found |= take
-            rows = torch.where(rows >= 0, self.backoff[rows.clamp(min=0)], rows)
+        idx, ok = self._entries(self.chain(state))  # [N, 4, E]
+        hit = ok & (self.ent_tok[idx] == tokens.view(-1, 1, 1)) & (self.ent_next[idx] >= 0)
+        cand = torch.where(hit, self.ent_next[idx], torch.full_like(idx, -1)).max(dim=2).values  # [N, 4]
+        found = cand >= 0
+        first = found.to(torch.int8).argmax(dim=1, keepdim=True)  # longest level with an extension
+        nxt = torch.where(found.any(1), cand.gather(1, first).squeeze(1), self.root_of[state])
         return torch.where(tokens == self.pad, state, nxt)
 
 
