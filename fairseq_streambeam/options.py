@@ -50,6 +50,9 @@ class StreamBeamConfig(TranslationConfig):
         default=None, metadata={"help": "LMBR: per-word constant Theta0 (default -1/T of Tromble et al.)"})
     lmbr_p: float = field(default=0.85, metadata={"help": "LMBR linear-BLEU precision p (Tromble et al. 2008)"})
     lmbr_r: float = field(default=0.72, metadata={"help": "LMBR linear-BLEU precision ratio r"})
+    token_masks: Optional[str] = field(
+        default=None, metadata={"help": "per-sentence token masks applied before top-k: JSON lines "
+                                        "{\"id\": n, \"allow\": [token ids]} or {\"id\": n, \"ban\": [...]}"})
     iad_ngram: int = field(
         default=2, metadata={"help": "iad: after a mismatch, copy again once the output's last n tokens "
                                      "occur exactly once in the source"})

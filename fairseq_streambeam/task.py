@@ -20,6 +20,7 @@ from .generators.stream_beam import STREAMING, StreamBeamGenerator
 from .options import StreamBeamConfig, unsupported_generation_options
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
+from .scorers.masks import TokenMaskScorer, load_masks
 
 logger = logging.getLogger("fairseq_streambeam")
 
@@ -55,8 +56,9 @@ class StreamBeamTranslationTask(TranslationTask):
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
         if str(self.cfg.decoding) == "fairseq":
-            if self.cfg.lmbr_posteriors:
-                raise ValueError("--lmbr-posteriors needs one of this plugin's decodings, not --decoding fairseq")
+            if self.cfg.lmbr_posteriors or self.cfg.token_masks:
+                raise ValueError("--lmbr-posteriors and --token-masks need one of this plugin's decodings, "
+                                 "not --decoding fairseq")
             return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                            extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
@@ -87,14 +89,14 @@ class StreamBeamTranslationTask(TranslationTask):
             refill_eps=self.cfg.refill_eps,
             max_wait=self.cfg.max_wait_steps,
             profile=self.cfg.stream_profile,
-            scorer=self._lmbr_scorer(len(models)),
+            scorers=self._scorers(len(models)),
         )
         _report_at_exit(gen, gen.mode.name)
         return gen
 
     def _aggressive_generator(self, models, args):
-        if self.cfg.lmbr_posteriors:
-            raise ValueError("--lmbr-posteriors applies to the beam decodings, not --decoding iad")
+        if self.cfg.lmbr_posteriors or self.cfg.token_masks:
+            raise ValueError("--lmbr-posteriors and --token-masks apply to the beam decodings, not --decoding iad")
         if getattr(args, "nbest", 1) > 1:
             raise ValueError("--decoding iad is greedy: it returns one hypothesis (--nbest 1)")
         gen = AggressiveGenerator(
@@ -109,14 +111,18 @@ class StreamBeamTranslationTask(TranslationTask):
         _report_at_exit(gen, "iad")
         return gen
 
-    def _lmbr_scorer(self, n_models: int):
-        """The LMBR scorer when --lmbr-posteriors is given (Iglesias et al. 2018 defaults)."""
-        c = self.cfg
-        if not c.lmbr_posteriors:
-            return None
-        theta = Theta.linear_bleu(c.lmbr_p, c.lmbr_r, theta0=c.lmbr_theta0)
-        lam = 0.5 / n_models if c.lmbr_lambda is None else c.lmbr_lambda
-        return LMBRScorer(load_posteriors(c.lmbr_posteriors), theta, lam, self.target_dictionary.pad())
+    def _scorers(self, n_models: int) -> list:
+        """Per-step scorers, in order: LMBR posteriors (Iglesias et al. 2018 defaults), then token
+        masks (so a masked token stays -inf whatever LMBR adds)."""
+        c, d = self.cfg, self.target_dictionary
+        out = []
+        if c.lmbr_posteriors:
+            theta = Theta.linear_bleu(c.lmbr_p, c.lmbr_r, theta0=c.lmbr_theta0)
+            lam = 0.5 / n_models if c.lmbr_lambda is None else c.lmbr_lambda
+            out.append(LMBRScorer(load_posteriors(c.lmbr_posteriors), theta, lam, d.pad()))
+        if c.token_masks:
+            out.append(TokenMaskScorer(load_masks(c.token_masks), d.eos(), d.pad()))
+        return out
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
         if isinstance(generator, (StreamBeamGenerator, AggressiveGenerator)) and self.budget is not None:

@@ -102,7 +102,7 @@ def _teacher_forced_lprobs(sent, tokens):
 @pytest.mark.parametrize("decoding", ["beam", "var-batch"])
 def test_decoded_positional_scores_equal_reference(decoding):
     scorer, posts = _scorer()
-    out, _ = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, scorer=scorer)
+    out, _ = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, scorers=[scorer])
     for row, sid in enumerate(SAMPLE["id"].tolist()):
         hyp = out[row][0]
         toks = hyp["tokens"].tolist()
@@ -113,16 +113,16 @@ def test_decoded_positional_scores_equal_reference(decoding):
 
 
 def test_lmbr_var_stream_equals_var_batch_and_alone():
-    batch = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="var-batch", scorer=_scorer()[0])[0]
+    batch = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="var-batch", scorers=[_scorer()[0]])[0]
     for n in (1, 3):
         got = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="var-stream", budget=Budget(n),
-                   scorer=_scorer()[0])[0]
+                   scorers=[_scorer()[0]])[0]
         assert_same_hypos(batch, got, atol=1e-5)
     alone = []
     for sid in SAMPLE["id"].tolist():
         s = make_sample(D, [SENTS[sid]])
         s["id"] = torch.tensor([sid])
-        alone += ours([MODEL], D, s, beam_size=4, max_len_b=12, decoding="var-batch", scorer=_scorer()[0])[0]
+        alone += ours([MODEL], D, s, beam_size=4, max_len_b=12, decoding="var-batch", scorers=[_scorer()[0]])[0]
     assert_same_hypos(batch, alone, atol=1e-5)
 
 
@@ -131,10 +131,10 @@ def test_zero_posteriors_reproduce_unscored_decoding():
         plain = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3))[0]
         zero = Theta(0.0, (0.0,) * 4)
         same = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
-                    scorer=_scorer(lam=1.0, theta=zero, zero=True)[0])[0]
+                    scorers=[_scorer(lam=1.0, theta=zero, zero=True)[0]])[0]
         assert_same_hypos(plain, same, atol=0)
         half = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
-                    scorer=_scorer(lam=0.5, theta=zero, zero=True)[0])[0]
+                    scorers=[_scorer(lam=0.5, theta=zero, zero=True)[0]])[0]
         for a, b in zip(plain, half):
             assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
             assert a[0]["score"].item() == pytest.approx(2 * b[0]["score"].item(), abs=1e-5)
@@ -164,7 +164,8 @@ def test_fairseq_generate_with_lmbr(tiny_run, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (tmp_path / "nbest.out").write_text(r.stdout)
     r = run_cli([str(BIN / "python"), "-m", "fairseq_streambeam.scorers.build_posteriors", "--nbest",
-                 str(tmp_path / "nbest.out"), "--dict", str(data / "dict.tgt.txt"), "--out", str(tmp_path / "p.jsonl")])
+                 str(tmp_path / "nbest.out"), "--dict", str(data / "dict.tgt.txt"), "--out", str(tmp_path / "p.jsonl"),
+                 "--write-vocab-masks", str(tmp_path / "m.jsonl")])
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"posteriors for {N_TEST} sentences" in r.stdout
     for decoding in ("beam", "var-stream"):
@@ -172,6 +173,17 @@ def test_fairseq_generate_with_lmbr(tiny_run, tmp_path):
                      "--lmbr-posteriors", str(tmp_path / "p.jsonl"), "--lmbr-theta0", "-0.1"])
         assert r.returncode == 0, r.stderr[-2000:]
         assert sorted(int(i) for i in re.findall(r"^H-(\d+)\t", r.stdout, re.M)) == list(range(N_TEST))
+
+    # the evidence vocabulary as a hard constraint: every output word occurs in that sentence's n-best
+    r = run_cli([str(BIN / "fairseq-generate"), *common, "--beam", "4", "--decoding", "var-stream",
+                 "--lmbr-posteriors", str(tmp_path / "p.jsonl"), "--token-masks", str(tmp_path / "m.jsonl")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    nbest_words = {}
+    for i, words in re.findall(r"^H-(\d+)\t\S+\t(.*)$", (tmp_path / "nbest.out").read_text(), re.M):
+        nbest_words.setdefault(int(i), set()).update(words.split())
+    hyps = re.findall(r"^H-(\d+)\t\S+\t(.*)$", r.stdout, re.M)
+    assert len(hyps) == N_TEST
+    assert all(set(words.split()) <= nbest_words[int(i)] for i, words in hyps)
 
 
 def test_bench_runs_lmbr_variants_on_a_subset(tiny_run, tmp_path):

@@ -13,7 +13,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from torch import Tensor
 from ..runtime.cache import DecoderCache, check_incremental, check_vocabulary, needs_encoder_out_each_step
 from ..runtime.counters import Counters
 from ..runtime.scheduler import Budget, Scheduler
+from ..scorers.base import ScorerStack
 from ..scorers.penalties import FairseqPenalties
 from ..search.beam_state import Beams, rank_candidates
 from ..search.finalize import build_finalize
@@ -88,6 +89,10 @@ class Cohort:
         self.first_serial = serial
         self.n_final = torch.zeros(len(ids), dtype=torch.long, device=device)
         self.best_final = torch.full((len(ids),), -math.inf, dtype=dtype, device=device)
+        # the backoff stack (Iglesias et al. Alg. 1): the best EOS candidate that was neither final nor
+        # kept, per source; used only if the source ends with no finished hypothesis
+        self.lost_best = torch.full((len(ids),), -math.inf, dtype=dtype, device=device)
+        self.backoff: Dict[int, Dict[str, Tensor]] = {}
         self.live_h = np.ones(beams.rows, dtype=bool)  # host mirrors of beams.live / row lengths
         self.len_h = np.zeros(beams.rows, dtype=np.int64)
         self.cache_src_h = np.arange(len(ids))  # cohort-local source of each decoder-cache row
@@ -106,6 +111,8 @@ class Cohort:
         a.prefix = None if a.prefix is None else torch.cat([a.prefix, b.prefix])  # type: ignore[list-item]
         a.n_final = torch.cat([a.n_final, b.n_final])
         a.best_final = torch.cat([a.best_final, b.best_final])
+        a.lost_best = torch.cat([a.lost_best, b.lost_best])
+        a.backoff.update(b.backoff)
         a.live_h = np.concatenate([a.live_h, b.live_h])
         a.len_h = np.concatenate([a.len_h, b.len_h])
         a.cache_src_h = np.concatenate([a.cache_src_h, b.cache_src_h + off])
@@ -150,7 +157,7 @@ class StreamBeamGenerator(SequenceGenerator):
         max_wait: int = 0,
         keep_encoder_out: Optional[bool] = None,
         profile: bool = False,
-        scorer=None,
+        scorers: Sequence = (),
     ):
         super().__init__(
             models, tgt_dict, beam_size=beam_size, max_len_a=max_len_a, max_len_b=max_len_b,
@@ -174,7 +181,8 @@ class StreamBeamGenerator(SequenceGenerator):
         )
         self.max_source_positions = _max_source_positions(self.model)
         self.profile = profile
-        self.scorer = scorer  # e.g. LMBRScorer: score(lprobs, state), advance(state, tokens), start(ids)
+        # additive / masking terms applied in order before top-k (LMBR, token masks): see scorers/base.py
+        self.scorer = ScorerStack(scorers) if scorers else None
         self.counters = Counters()
 
     @torch.no_grad()
@@ -300,20 +308,31 @@ class StreamBeamGenerator(SequenceGenerator):
         n_final = c.n_final + final.sum(1)
         done = (n_final >= self.finalizer.target) | ~keep.any(1) | (c.max_len_t <= L)
         keep &= ~done.unsqueeze(1)
+        lost = ranked.is_eos & ~final & ~keep
+        lost_best, lost_rank = torch.where(lost, ranked.scores, ranked.scores.new_tensor(-math.inf)).max(1)
+        improved = lost_best > c.lost_best
+        c.lost_best = torch.maximum(c.lost_best, lost_best)
 
         # the one host sync of the step: what is final, what continues, which sources are done
         R = ranked.scores.size(1)
         packed = torch.cat([
             final.view(-1).long(), keep.view(-1).long(), ranked.carried.view(-1).long(),
-            ranked.is_eos.view(-1).long(), ranked.parent.view(-1), done.long(),
+            ranked.is_eos.view(-1).long(), ranked.parent.view(-1), done.long(), improved.long(), lost_rank,
         ]).cpu().numpy()
         nr = n_src * R
         final_h, keep_h, carried_h, eos_h, parent_h = (packed[j * nr:(j + 1) * nr] for j in range(5))
-        done_h = packed[5 * nr:].astype(bool)
+        done_h = packed[5 * nr: 5 * nr + n_src].astype(bool)
+        improved_h, lost_rank_h = packed[5 * nr + n_src: 5 * nr + 2 * n_src], packed[5 * nr + 2 * n_src:]
 
         fin_pos = np.flatnonzero(final_h)
         if fin_pos.size:
-            self._finalize(c, ranked, fin_pos, parent_h, carried_h, R, L, results)
+            for row, hypo in self._hypotheses(c, ranked, fin_pos, parent_h, carried_h, R, L):
+                results[row].append(hypo)
+        better = np.flatnonzero(improved_h)
+        if better.size:
+            pos = better * R + lost_rank_h[better]
+            for row, hypo in self._hypotheses(c, ranked, pos, parent_h, carried_h, R, L):
+                c.backoff[row] = hypo
 
         kp = np.flatnonzero(keep_h)
         survive = ~done_h
@@ -344,8 +363,11 @@ class StreamBeamGenerator(SequenceGenerator):
         done_ids = [c.ids[j] for j in np.flatnonzero(done_h)]
         if done_ids:
             for j in np.flatnonzero(done_h):
-                if not results[c.ids[j]]:
-                    results[c.ids[j]].append(self._empty_hypo(dev))
+                row = c.ids[j]
+                if not results[row]:
+                    self.counters.backoff_hypotheses += row in c.backoff
+                    results[row].append(c.backoff.get(row) or self._empty_hypo(dev))
+                c.backoff.pop(row, None)
             keep_src = np.flatnonzero(survive)
             ks = torch.from_numpy(keep_src).to(dev)
             c.ids = [c.ids[j] for j in keep_src]
@@ -354,6 +376,7 @@ class StreamBeamGenerator(SequenceGenerator):
             c.max_len_t = c.max_len_t.index_select(0, ks)
             n_final = n_final.index_select(0, ks)
             best_final = best_final.index_select(0, ks)
+            c.lost_best = c.lost_best.index_select(0, ks)
             if c.prefix is not None:
                 c.prefix = c.prefix.index_select(0, ks)
             c.cache.select_sources(ks)
@@ -362,9 +385,10 @@ class StreamBeamGenerator(SequenceGenerator):
         c.length = L + 1
         return done_ids
 
-    def _finalize(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
-                  carried_h: np.ndarray, R: int, L: int, results) -> None:
-        """Turn final candidates into fairseq hypothesis dicts (tokens end with EOS)."""
+    def _hypotheses(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
+                    carried_h: np.ndarray, R: int, L: int):
+        """fairseq hypothesis dicts (tokens end with EOS) of ranked candidates at flat positions
+        `fin_pos`, as (window row, hypothesis) pairs."""
         b = c.beams
         dev = b.src.device
         idx = torch.from_numpy(fin_pos).to(dev)
@@ -384,10 +408,10 @@ class StreamBeamGenerator(SequenceGenerator):
             score = raw
         for j, p in enumerate(fin_pos):
             n = int(lens[j])
-            results[c.ids[p // R]].append({
+            yield c.ids[p // R], {
                 "tokens": toks[j, :n], "score": score[j], "attention": torch.empty(0),
                 "alignment": torch.empty(0), "positional_scores": pos[j, :n],
-            })
+            }
 
     def _empty_hypo(self, dev) -> Dict[str, Tensor]:
         """Defined output for a source whose every candidate was invalid (e.g. all -inf)."""

@@ -13,6 +13,7 @@ class Counters:
     expansions: int = 0  # candidate rows expanded by the decoder, summed over steps
     encoder_calls: int = 0
     accepted_tokens: int = 0  # aggressive decoding: output tokens accepted, summed over passes
+    backoff_hypotheses: int = 0  # sources that ended with no finished hypothesis and took the backoff stack's
     model_seconds: float = 0.0  # encoder + decoder calls
     total_seconds: float = 0.0  # whole generate calls
     source_positions: int = 0  # real source positions attended by the decoder rows, summed over steps

@@ -9,6 +9,7 @@ P(u) = sum of p_i over the entries that contain u. Output: JSON lines read by --
 """
 
 import argparse
+import json
 import math
 import re
 from collections import defaultdict
@@ -55,6 +56,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--alpha", type=float, default=1.0, help="scale of the evidence scores before normalising")
     p.add_argument("--max-order", type=int, default=MAX_ORDER)
+    p.add_argument("--write-vocab-masks", help="also write --token-masks allowing only the evidence's tokens "
+                                               "per sentence (a hard constraint, Iglesias et al. Alg. 1)")
     args = p.parse_args(argv)
     from fairseq.data import Dictionary
 
@@ -69,6 +72,11 @@ def main(argv=None) -> None:
             mapped.append((score, ids))
         records[sid] = posteriors(mapped, args.alpha, args.max_order)
     write_posteriors(Path(args.out), records)
+    if args.write_vocab_masks:
+        with open(args.write_vocab_masks, "w", encoding="utf-8") as f:
+            for sid in sorted(records):
+                allow = sorted({g[0] for g in records[sid] if len(g) == 1})
+                f.write(json.dumps({"id": sid, "allow": allow}) + "\n")
     print(f"wrote posteriors for {len(records)} sentences to {args.out} ({unknown} evidence tokens not in the "
           "NMT vocabulary, mapped to unk)")
 

@@ -1,0 +1,81 @@
+"""Per-sentence token masks applied before top-k (the constraints of Iglesias et al.'s
+Algorithm 1): each sentence may allow only a set of tokens, or ban a set. Kept sparse (a padded
+list per sentence), applied to a batch of live candidates with one gather/scatter."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+Mask = Tuple[str, List[int]]  # ("allow" | "ban", token ids)
+
+
+def load_masks(path: str) -> Dict[int, Mask]:
+    """JSON lines `{"id": sentence id, "allow": [ids]}` or `{"id": ..., "ban": [ids]}`."""
+    out: Dict[int, Mask] = {}
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            kinds = [k for k in ("allow", "ban") if k in rec]
+            if len(kinds) != 1 or "id" not in rec:
+                raise ValueError(f"{path}:{ln}: a mask record has an id and exactly one of allow/ban")
+            out[int(rec["id"])] = (kinds[0], [int(t) for t in rec[kinds[0]]])
+    return out
+
+
+class TokenMaskScorer:
+    """State per candidate: its sentence's row in the mask table (-1 = unconstrained)."""
+
+    def __init__(self, masks: Dict[int, Mask], eos: int, pad: int):
+        self.masks = masks
+        self.eos, self.pad = eos, pad
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: List[Tuple[bool, List[int]]] = []
+        self.table = self.allow = None
+
+    def start(self, sentence_ids: Sequence[int], device: torch.device) -> Tensor:
+        ids = []
+        for sid in sentence_ids:
+            m = self.masks.get(int(sid))
+            if m is None:
+                ids.append(-1)
+                continue
+            kind, toks = m
+            if kind == "allow" and self.eos not in toks:
+                toks = [*toks, self.eos]  # a sentence must be able to end
+            ids.append(len(self.rows))
+            self.rows.append((kind == "allow", toks))
+        if self.rows:
+            width = max(len(t) for _, t in self.rows) or 1
+            # padding entries repeat a token with no further effect: EOS (allowed anyway) in an
+            # allow-list, the first banned token in a ban-list (pad, never chosen, for an empty one)
+            def filler(allow: bool, toks: List[int]) -> int:
+                return self.eos if allow else (toks[0] if toks else self.pad)
+
+            self.table = torch.tensor([t + [filler(a, t)] * (width - len(t)) for a, t in self.rows],
+                                      dtype=torch.long, device=device)
+            self.allow = torch.tensor([a for a, _ in self.rows], dtype=torch.bool, device=device)
+        return torch.tensor(ids, dtype=torch.long, device=device)
+
+    def score(self, lprobs: Tensor, state: Tensor) -> Tensor:
+        if self.table is None:
+            return lprobs
+        has = state >= 0
+        toks = self.table[state.clamp(min=0)]  # [N, W]
+        allow = (self.allow[state.clamp(min=0)] & has).unsqueeze(1)
+        ban = (~self.allow[state.clamp(min=0)] & has).unsqueeze(1)
+        neg = torch.full_like(lprobs, -math.inf)
+        kept = neg.scatter(1, toks, lprobs.gather(1, toks))
+        lprobs = torch.where(allow, kept, lprobs)
+        return torch.where(ban, lprobs.scatter(1, toks, -math.inf), lprobs)
+
+    def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
+        return state
