@@ -71,14 +71,7 @@ class StreamBeamTranslationTask(TranslationTask):
         gen = StreamBeamGenerator(
             models, self.target_dictionary,
             beam_size=getattr(args, "beam", 5),
-            max_len_a=getattr(args, "max_len_a", 0),
-            max_len_b=getattr(args, "max_len_b", 200),
-            max_len=getattr(args, "max_len", 0) or 0,
-            min_len=getattr(args, "min_len", 1),
-            normalize_scores=not getattr(args, "unnormalized", False),
-            len_penalty=getattr(args, "lenpen", 1),
-            unk_penalty=getattr(args, "unkpen", 0),
-            temperature=getattr(args, "temperature", 1.0),
+            **_fairseq_generation_kwargs(args),
             nbest=getattr(args, "nbest", 1),
             decoding=str(self.cfg.decoding),  # fairseq ChoiceEnum members -> plain strings
             delta=self.cfg.prune_abs_threshold,
@@ -100,11 +93,7 @@ class StreamBeamTranslationTask(TranslationTask):
         if getattr(args, "nbest", 1) > 1:
             raise ValueError("--decoding iad is greedy: it returns one hypothesis (--nbest 1)")
         gen = AggressiveGenerator(
-            models, self.target_dictionary,
-            max_len_a=getattr(args, "max_len_a", 0), max_len_b=getattr(args, "max_len_b", 200),
-            max_len=getattr(args, "max_len", 0) or 0, min_len=getattr(args, "min_len", 1),
-            normalize_scores=not getattr(args, "unnormalized", False), len_penalty=getattr(args, "lenpen", 1),
-            unk_penalty=getattr(args, "unkpen", 0), temperature=getattr(args, "temperature", 1.0),
+            models, self.target_dictionary, **_fairseq_generation_kwargs(args),
             drafter=InputCopyDrafter(self.cfg.iad_ngram, self.cfg.block_size), budget=self.budget,
             refill_eps=self.cfg.refill_eps,
         )
@@ -129,6 +118,16 @@ class StreamBeamTranslationTask(TranslationTask):
             generator.scheduler.budget = self.budget  # live budget = this run's --batch-size/--max-tokens
         return super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens,
                                       constraints=constraints)
+
+
+def _fairseq_generation_kwargs(args) -> dict:
+    """fairseq's generation options (GenerationConfig or a Namespace) as generator arguments."""
+    return dict(
+        max_len_a=getattr(args, "max_len_a", 0), max_len_b=getattr(args, "max_len_b", 200),
+        max_len=getattr(args, "max_len", 0) or 0, min_len=getattr(args, "min_len", 1),
+        normalize_scores=not getattr(args, "unnormalized", False), len_penalty=getattr(args, "lenpen", 1),
+        unk_penalty=getattr(args, "unkpen", 0), temperature=getattr(args, "temperature", 1.0),
+    )
 
 
 def _report_at_exit(gen, name: str) -> None:

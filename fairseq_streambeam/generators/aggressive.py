@@ -29,6 +29,7 @@ from ..runtime.cache import (
 )
 from ..runtime.counters import Counters
 from ..runtime.scheduler import Budget, Scheduler
+from ..scorers.penalties import FairseqPenalties
 from .common import Sources
 from .stream_beam import _max_source_positions
 
@@ -69,6 +70,8 @@ class AggressiveGenerator(SequenceGenerator):
             check_block_decoder(m.decoder)
         check_vocabulary(self.model, tgt_dict)
         self.drafter = drafter or InputCopyDrafter()
+        self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty,
+                                          min_len=min_len, suppress=self.token_indices_to_suppress)
         self.scheduler = Scheduler("min-length", budget or Budget(), refill_eps)
         self.max_source_positions = _max_source_positions(self.model)
         self.compact_slack = compact_slack
@@ -200,17 +203,11 @@ class AggressiveGenerator(SequenceGenerator):
         return torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
 
     def _penalties(self, lprobs: Tensor, steps: Tensor, max_len: Tensor) -> Tensor:
-        """fairseq's greedy adjustments at each block position's own step (see FairseqPenalties)."""
-        lprobs[lprobs != lprobs] = -math.inf
-        lprobs[:, :, self.pad] = -math.inf
-        if self.unk_penalty:
-            lprobs[:, :, self.unk] -= self.unk_penalty
-        at_max = (steps >= max_len.unsqueeze(1)).unsqueeze(2)
-        eos_col = lprobs[:, :, self.eos].clone()
-        lprobs = lprobs.masked_fill(at_max, -math.inf)
-        lprobs[:, :, self.eos] = eos_col
-        lprobs[:, :, self.eos] = lprobs[:, :, self.eos].masked_fill(steps < self.min_len, -math.inf)
-        return lprobs
+        """fairseq's greedy adjustments, each block position at its own step (FairseqPenalties)."""
+        n, m, v = lprobs.shape
+        flat = self.penalties(lprobs.view(n * m, v), 0, (steps >= max_len.unsqueeze(1)).view(-1), None,
+                              before_min_len=(steps < self.min_len).view(-1))
+        return flat.view(n, m, v)
 
     def _hypo(self, r: Row, dev) -> Dict[str, Tensor]:
         pos = torch.tensor(r.lp, dtype=torch.float32)

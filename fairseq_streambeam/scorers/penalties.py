@@ -30,10 +30,12 @@ class FairseqPenalties:
         step: int,
         at_max_len: Optional[Tensor],
         prefix: Optional[Tensor],
+        before_min_len: Optional[Tensor] = None,
     ) -> Tensor:
         """lprobs [N, V] for live rows at decoding step `step` (0-based). `at_max_len` [N] bool
         (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
-        None when past every prefix."""
+        None when past every prefix. Rows at different steps (aggressive decoding's blocks) pass
+        `before_min_len` [N] instead of relying on `step`."""
         lprobs[lprobs != lprobs] = -math.inf
         lprobs[:, self.pad] = -math.inf
         if self.unk_penalty:
@@ -50,7 +52,9 @@ class FairseqPenalties:
             masked = torch.full_like(lprobs, -math.inf).scatter_(1, prefix.unsqueeze(1), chosen)
             lprobs = torch.where(forced.unsqueeze(1), masked, lprobs)
         else:
-            if step < self.min_len:
+            if before_min_len is not None:
+                lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(before_min_len, -math.inf)
+            elif step < self.min_len:
                 lprobs[:, self.eos] = -math.inf
             if self.suppress is not None:
                 lprobs[:, self.suppress] = -math.inf
