@@ -173,7 +173,7 @@ def main(argv=None):
             "decoder_steps": c.decoder_steps if c else None,
             "expansions": c.expansions if c else None,
             "expansions_per_step": round(c.expansions_per_step, 2) if c else None,
-            "padding_share": round(c.padding_share, 3) if c else None,
+            "padding_share": round(c.padding_share, 3) if c and c.padded_positions else None,
             "accepted_per_pass": round(c.accepted_per_pass, 2) if c and c.accepted_tokens else None,
             "model_seconds": round(c.model_seconds / settings["repeats"], 3) if c else None,
             "peak_mb": r["peak"],
