@@ -35,6 +35,10 @@ class StreamBeamConfig(TranslationConfig):
     stream_order: ORDER_CHOICES = field(
         default="min-length", metadata={"help": "which cohort steps next when streaming: min-length "
                                                 "(the paper) or fifo (paper A.2)"})
+    stream_candidates: Optional[int] = field(
+        default=None, metadata={"help": "streaming: refill by live beam candidates instead of sources: keep "
+                                        "about this many candidates per decoder step (--batch-size still caps "
+                                        "the sources)"})
     stream_window: int = field(
         default=32, metadata={"help": "streaming modes: hand the generator windows of this many "
                                       "fairseq batches; --batch-size/--max-tokens stay the live budget n"})

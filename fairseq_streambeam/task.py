@@ -44,7 +44,7 @@ class StreamBeamTranslationTask(TranslationTask):
         """fairseq's batching with two changes: required_batch_size_multiple is 1, because
         fairseq's batch_by_size silently drops a last batch that is not a multiple of it (fairseq
         issues #5036, #5351); and streaming modes get windows of `stream_window` batches."""
-        self.budget = Budget(max_sentences, max_tokens)
+        self.budget = Budget(max_sentences, max_tokens, self.cfg.stream_candidates)
         if self.streaming:
             w = self.cfg.stream_window
             max_tokens = None if max_tokens is None else max_tokens * w

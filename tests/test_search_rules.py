@@ -91,6 +91,10 @@ def test_scheduler_refill_and_pick():
     s = Scheduler("min-length", Budget(max_tokens=10), refill_eps=0.5)
     assert s.admit(0, 0, [4, 4, 4]) == 2
     assert s.admit(0, 0, [40]) == 1  # a source over the budget still gets in alone
+    c = Scheduler("min-length", Budget(max_sentences=100, max_candidates=20), refill_eps=0.5)
+    assert c.should_refill(50, 0, 9) and not c.should_refill(3, 0, 10)  # candidates decide, not sources
+    assert c.admit(2, 0, [3] * 10, live_candidates=8, width=3.0) == 4  # 8 + 4 * 3 <= 20 < 8 + 5 * 3
+    assert c.admit(0, 0, [3], live_candidates=0, width=50.0) == 1  # one source always fits when none is live
     b = Scheduler("batch", Budget(max_sentences=6))
     assert not b.should_refill(1, 0)
 

@@ -36,15 +36,16 @@ def var_reference(request):
 @given(
     n=st.integers(1, 20),  # up to more than the 14 sources: everything admitted at once
     tokens=st.one_of(st.none(), st.integers(8, 60)),
+    cands=st.one_of(st.none(), st.integers(3, 90)),
     eps=st.sampled_from([0.0, 1 / 6, 0.5, 1.0]),
     order=st.sampled_from(["min-length", "fifo"]),
     max_wait=st.sampled_from([0, 2]),
 )
-def test_var_stream_equals_var_batch(var_reference, n, tokens, eps, order, max_wait):
+def test_var_stream_equals_var_batch(var_reference, n, tokens, cands, eps, order, max_wait):
     kw, batch = var_reference
-    got, gen = ours(MODELS, D, SAMPLE, decoding="var-stream", budget=Budget(n, tokens), refill_eps=eps,
+    got, gen = ours(MODELS, D, SAMPLE, decoding="var-stream", budget=Budget(n, tokens, cands), refill_eps=eps,
                     stream_order=order, max_wait=max_wait, **kw)
-    assert_same_hypos(batch, got, atol=1e-5, msg=f"n={n} tokens={tokens} eps={eps} {order}")
+    assert_same_hypos(batch, got, atol=1e-5, msg=f"n={n} tokens={tokens} candidates={cands} eps={eps} {order}")
     assert gen.counters.sentences == len(SENTS)
 
 

@@ -240,6 +240,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.stream_order = v.stream_order or "min-length"
     task.cfg.stream_window = settings["stream_window"]
     task.cfg.block_size = v.block_size or 0
+    task.cfg.stream_candidates = v.candidates
     itr = task.get_batch_iterator(ts.dataset, max_sentences=v.batch_size or settings["batch_size"],
                                   max_tokens=settings["max_tokens"],
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=False)

@@ -23,6 +23,7 @@ class Variant:
     stream_order: Optional[str] = None
     lmbr: bool = False  # score with the run's --lmbr-posteriors
     block_size: Optional[int] = None  # aggressive decoding: draft cap (0 = auto)
+    candidates: Optional[int] = None  # streaming: live-candidate budget (--stream-candidates)
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:

@@ -172,6 +172,7 @@ class StreamBeamGenerator(SequenceGenerator):
         self.pruning = self.mode.pruning
         self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, nbest)
         self.scheduler = Scheduler(self.mode.policy, budget or Budget(), refill_eps, max_wait)
+        self.width = float(self.pruning.beam_size) / 2  # candidates per live source, refined as it runs
         self.penalties = FairseqPenalties(
             pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty, min_len=min_len,
             suppress=self.token_indices_to_suppress,
@@ -211,10 +212,13 @@ class StreamBeamGenerator(SequenceGenerator):
         live_tokens = 0
         while next_src < n_src or cohorts:
             live = sum(len(c.ids) for c in cohorts)
+            cands = sum(c.beams.rows for c in cohorts)
+            if live:  # running estimate of candidates per source, for the candidate budget
+                self.width = 0.9 * self.width + 0.1 * (cands / live)
             unstepped = any(c.length == 0 for c in cohorts)
-            if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens):
+            if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens, cands):
                 pending = (lengths[i] for i in itertools.islice(order, next_src, None))
-                take = self.scheduler.admit(live, live_tokens, pending)
+                take = self.scheduler.admit(live, live_tokens, pending, cands, self.width)
                 if take:
                     new = order[next_src: next_src + take]
                     next_src += take

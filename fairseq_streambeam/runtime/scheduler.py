@@ -12,7 +12,7 @@ A latency bound (`max_wait`) steps a cohort first once it has waited that many d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 POLICIES = ("batch", "min-length", "fifo")
 
@@ -25,15 +25,18 @@ class CohortLike(Protocol):
 
 @dataclass
 class Budget:
-    """Live-source budget: at most `max_sentences` sources and `max_tokens` source tokens."""
+    """Live budget: at most `max_sentences` sources, `max_tokens` source tokens, and (streaming)
+    about `max_candidates` live beam candidates. With variable-width beams a source budget leaves
+    the batch mostly empty; a candidate budget refills by what a decoder step actually expands."""
 
     max_sentences: Optional[int] = None
     max_tokens: Optional[int] = None
+    max_candidates: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.max_sentences is None and self.max_tokens is None:
+        if self.max_sentences is None and self.max_tokens is None and self.max_candidates is None:
             self.max_sentences = 64
-        for name in ("max_sentences", "max_tokens"):
+        for name in ("max_sentences", "max_tokens", "max_candidates"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"stream budget {name} must be >= 1, got {v}")
@@ -52,20 +55,24 @@ class Scheduler:
         self.eps = refill_eps
         self.max_wait = max_wait
 
-    def should_refill(self, live_sources: int, live_tokens: int) -> bool:
+    def should_refill(self, live_sources: int, live_tokens: int, live_candidates: int = 0) -> bool:
         if live_sources == 0:
             return True
         if self.policy == "batch":
             return False
         b = self.budget
+        if b.max_candidates is not None:
+            return live_candidates < self.eps * b.max_candidates
         if b.max_sentences is not None and live_sources < self.eps * b.max_sentences:
             return True
         if b.max_sentences is None and b.max_tokens is not None:
             return live_tokens < self.eps * b.max_tokens
         return False
 
-    def admit(self, live_sources: int, live_tokens: int, pending_lengths: Sequence[int]) -> int:
-        """How many of the pending sources (in order) to admit now; at least one when none is live."""
+    def admit(self, live_sources: int, live_tokens: int, pending_lengths: Iterable[int], live_candidates: int = 0,
+              width: float = 1.0) -> int:
+        """How many of the pending sources (in order) to admit now; at least one when none is live.
+        `width` estimates the candidates a source will hold (for the candidate budget)."""
         b = self.budget
         n = 0
         tokens = live_tokens
@@ -73,6 +80,9 @@ class Scheduler:
             if b.max_sentences is not None and live_sources + n >= b.max_sentences:
                 break
             if b.max_tokens is not None and tokens + length > b.max_tokens and live_sources + n > 0:
+                break
+            if (b.max_candidates is not None and live_candidates + (n + 1) * max(width, 1.0) > b.max_candidates
+                    and live_sources + n > 0):
                 break
             n += 1
             tokens += length
