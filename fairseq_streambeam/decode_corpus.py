@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 SHARD = "shard-{:05d}"
+# run counters that add up across shards (rates such as expansions per step are derived in the merge)
+_ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accepted_tokens", "backoff_hypotheses",
+             "model_seconds", "total_seconds", "source_positions", "padded_positions")
 
 
 def parse_args(argv=None):
@@ -135,6 +138,10 @@ def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], optio
         for k, v in {**rec["counters"], **{f"bad_{k}": v for k, v in rec["bad"].items()}}.items():
             if isinstance(v, (int, float)):
                 totals[k] = totals.get(k, 0) + v
+    if totals.get("decoder_steps"):
+        totals["expansions_per_step"] = round(totals["expansions"] / totals["decoder_steps"], 2)
+    if totals.get("total_seconds"):
+        totals["sentences_per_second"] = round(totals["sentences"] / totals["total_seconds"], 2)
     manifest = {"inputs": files, "lines": n_lines, "options": options, "shards": records, "totals": totals,
                 "output": {"path": "output.txt", "checksum": checksum(text)}}
     write_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1))
@@ -173,8 +180,8 @@ class ShardDecoder:
         gen_args = argparse.Namespace(beam=1 if args.decoding in ("greedy", "iad") else args.beam,
                                       lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                                       min_len=1, unkpen=0, temperature=1.0, nbest=1, unnormalized=False)
-        # the generator is built per shard (after batching, which sets the live budget)
         self.gen_args = gen_args
+        self.gen = None  # built once, at the first shard (batching sets the live budget first)
 
     def decode(self, raw: List[bytes], progress) -> Tuple[List[str], dict, dict]:
         from fairseq import utils
@@ -200,7 +207,10 @@ class ShardDecoder:
                                  tgt_dict=self.task.target_dictionary)
         itr = self.task.get_batch_iterator(ds, max_sentences=self.args.batch_size, max_tokens=self.args.max_tokens,
                                            disable_iterator_cache=True).next_epoch_itr(shuffle=False)
-        gen = self.task.build_generator(self.models, self.gen_args)
+        if self.gen is None:
+            self.gen = self.task.build_generator(self.models, self.gen_args)
+        gen = self.gen
+        before = gen.counters.as_dict()
         out: Dict[int, str] = {}
         for sample in itr:
             if self.cuda:
@@ -209,7 +219,10 @@ class ShardDecoder:
             for i, sid in enumerate(sample["id"].tolist()):
                 out[sid] = self.codec.decode(hypos[i][0]["tokens"].tolist()).replace("\n", " ")
             progress.update(len(hypos))
-        return [out[i] for i in range(len(raw))], gen.counters.as_dict(), bad
+        after = gen.counters.as_dict()
+        counters = {k: round(after[k] - before[k], 3) for k in after
+                    if isinstance(after[k], (int, float)) and k in _ADDITIVE}
+        return [out[i] for i in range(len(raw))], counters, bad
 
 
 def main(argv=None) -> int:

@@ -49,6 +49,8 @@ def test_single_process_merge_and_manifest(corpus, reference, tmp_path):
     assert {"path", "lines", "sha256"} <= set(man["inputs"][0])
     assert man["totals"]["bad_invalid_utf8"] == 1 and man["totals"]["bad_empty"] == 1
     assert man["totals"]["bad_too_long"] == 1 and man["totals"]["sentences"] == n
+    assert sum(s["counters"]["sentences"] for s in man["shards"]) == n  # per-shard counts, not running totals
+    assert man["totals"]["expansions_per_step"] > 0
     assert all(s["status"] == "done" and len(s["checksum"]) == 64 for s in man["shards"])
 
 
