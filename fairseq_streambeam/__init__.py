@@ -1,6 +1,7 @@
 """fairseq-streambeam: fast batched decoding for fairseq models (`--user-dir` plugin).
 
-Importing registers the task `streambeam_translation` and lets `torch.load` read fairseq
+Importing registers the task `streambeam_translation`, the GAD drafter (`--arch block_drafter`,
+`--criterion block_drafting`) and lets `torch.load` read fairseq
 checkpoints (torch >= 2.6 loads with weights_only=True, which rejects argparse.Namespace).
 """
 
@@ -11,7 +12,9 @@ import torch
 torch.serialization.add_safe_globals([argparse.Namespace])
 
 from . import task  # noqa: E402,F401  (registers the task with fairseq)
+from .criterions import block_drafting  # noqa: E402,F401  (registers --criterion block_drafting)
 from .generators.stream_beam import StreamBeamGenerator  # noqa: E402
+from .models import block_drafter  # noqa: E402,F401  (registers --arch block_drafter)
 from .runtime.scheduler import Budget  # noqa: E402
 from .task import attach_to_hub  # noqa: E402
 

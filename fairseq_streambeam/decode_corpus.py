@@ -30,7 +30,8 @@ from typing import Dict, List, Tuple
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
-_ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accepted_tokens", "backoff_hypotheses",
+_ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accepted_tokens", "verified_rows",
+             "backoff_hypotheses",
              "model_seconds", "total_seconds", "source_positions", "padded_positions")
 
 
@@ -49,7 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--sentencepiece-model")
     p.add_argument("--shard-lines", type=int, default=100_000)
     p.add_argument("--decoding", default="var-stream",
-                   choices=["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad"])
+                   choices=["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad"])
+    p.add_argument("--drafter", help="--decoding gad: block_drafter checkpoint")
+    p.add_argument("--gad-beta", type=int, default=1, help="--decoding gad: 1 = greedy output, >1 = GAD++")
+    p.add_argument("--gad-tau", type=float, default=float("inf"), help="--decoding gad++: log-prob tolerance")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--lenpen", type=float, default=1.0)
     p.add_argument("--max-len-a", type=float, default=0)
@@ -166,7 +170,8 @@ class ShardDecoder:
         torch.set_num_threads(args.threads)
         cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
                                train_subset="train", dataset_impl=None, required_seq_len_multiple=1,
-                               decoding=args.decoding)
+                               decoding=args.decoding, drafter=args.drafter, gad_beta=args.gad_beta,
+                               gad_tau=args.gad_tau)
         self.task = StreamBeamTranslationTask.setup_task(cfg)
         self.models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=self.task)
         self.cuda = torch.cuda.is_available() and not args.cpu
@@ -177,7 +182,7 @@ class ShardDecoder:
         self.codec = TextCodec(self.task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
         self.args = args
         self.max_src = min(m.max_positions()[0] for m in self.models)
-        gen_args = argparse.Namespace(beam=1 if args.decoding in ("greedy", "iad") else args.beam,
+        gen_args = argparse.Namespace(beam=1 if args.decoding in ("greedy", "iad", "gad") else args.beam,
                                       lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                                       min_len=1, unkpen=0, temperature=1.0, nbest=1, unnormalized=False)
         self.gen_args = gen_args

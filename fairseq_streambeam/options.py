@@ -1,12 +1,13 @@
 """Command-line options of the plugin (fields of the task's dataclass) and their validation."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
-DECODING_CHOICES = ChoiceEnum(["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "fairseq"])
+DECODING_CHOICES = ChoiceEnum(["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad", "fairseq"])
 FINALIZE_CHOICES = ChoiceEnum(["auto", "fairseq", "sticky"])
 ORDER_CHOICES = ChoiceEnum(["min-length", "fifo"])
 
@@ -19,6 +20,8 @@ class StreamBeamConfig(TranslationConfig):
                           "width beams (delta, M) per batch; var-stream: variable-width beams with "
                           "streaming refill (Yang et al. 2020); fixed-stream: fixed beam, streamed; "
                           "iad: input-guided aggressive decoding (= greedy output, Ge et al. 2022); "
+                          "gad: generalized aggressive decoding with a --drafter model (= greedy output "
+                          "with --gad-beta 1; GAD++ otherwise); "
                           "fairseq: fairseq's own SequenceGenerator"},
     )
     prune_abs_threshold: Optional[float] = field(
@@ -62,7 +65,17 @@ class StreamBeamConfig(TranslationConfig):
                                      "occur exactly once in the source"})
     block_size: int = field(
         default=0, metadata={"help": "aggressive decoding: most draft tokens verified per pass (0 = auto: "
-                                     "the whole remaining source for one row, 8 when batched)"})
+                                     "iad: the whole remaining source for one row, 8 when batched; "
+                                     "gad: the drafter's trained --draft-block-size)"})
+    drafter: Optional[str] = field(
+        default=None, metadata={"help": "gad: block_drafter checkpoint (scripts/train_drafter.sh) with the "
+                                        "verifier's target dictionary"})
+    gad_beta: int = field(
+        default=1, metadata={"help": "gad: accept a draft token among the verifier's top-beta (1 = strict "
+                                     "top-1 = greedy output; >1 = GAD++)"})
+    gad_tau: float = field(
+        default=math.inf, metadata={"help": "gad++: a draft token must also lie within tau of the "
+                                                "verifier's top-1 log-probability (default: no bound)"})
     stream_profile: bool = field(
         default=False, metadata={"help": "synchronize CUDA around model calls so the model vs "
                                          "bookkeeping time split is exact"})

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationTask
 
+from .drafters.block_model import ModelDrafter
 from .drafters.input_copy import InputCopyDrafter
 from .generators.aggressive import AggressiveGenerator
 from .generators.stream_beam import STREAMING, StreamBeamGenerator
+from .models.block_drafter import load_drafter
 from .options import StreamBeamConfig, unsupported_generation_options
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
@@ -37,7 +40,7 @@ class StreamBeamTranslationTask(TranslationTask):
 
     @property
     def streaming(self) -> bool:
-        return str(self.cfg.decoding) in (*STREAMING, "iad")
+        return str(self.cfg.decoding) in (*STREAMING, "iad", "gad")
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
@@ -66,7 +69,7 @@ class StreamBeamTranslationTask(TranslationTask):
         if bad:
             raise ValueError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
                              "use --decoding fairseq for those")
-        if str(self.cfg.decoding) == "iad":
+        if str(self.cfg.decoding) in ("iad", "gad"):
             return self._aggressive_generator(models, args)
         gen = StreamBeamGenerator(
             models, self.target_dictionary,
@@ -88,17 +91,36 @@ class StreamBeamTranslationTask(TranslationTask):
         return gen
 
     def _aggressive_generator(self, models, args):
-        if self.cfg.lmbr_posteriors or self.cfg.token_masks:
-            raise ValueError("--lmbr-posteriors and --token-masks apply to the beam decodings, not --decoding iad")
+        c, name = self.cfg, str(self.cfg.decoding)
+        if c.lmbr_posteriors or c.token_masks:
+            raise ValueError(f"--lmbr-posteriors and --token-masks apply to the beam decodings, not --decoding {name}")
         if getattr(args, "nbest", 1) > 1:
-            raise ValueError("--decoding iad is greedy: it returns one hypothesis (--nbest 1)")
+            raise ValueError(f"--decoding {name} is greedy: it returns one hypothesis (--nbest 1)")
+        if name == "gad":
+            if not c.drafter:
+                raise ValueError("--decoding gad needs --drafter PATH (a block_drafter checkpoint; "
+                                 "see scripts/train_drafter.sh)")
+            drafter = ModelDrafter(self._drafter_model(c.drafter, models[0]), self.target_dictionary, c.block_size)
+        else:
+            if c.drafter or c.gad_beta != 1 or c.gad_tau != math.inf:
+                raise ValueError("--drafter, --gad-beta and --gad-tau apply to --decoding gad")
+            drafter = InputCopyDrafter(c.iad_ngram, c.block_size)
         gen = AggressiveGenerator(
-            models, self.target_dictionary, **_fairseq_generation_kwargs(args),
-            drafter=InputCopyDrafter(self.cfg.iad_ngram, self.cfg.block_size), budget=self.budget,
-            refill_eps=self.cfg.refill_eps,
+            models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
+            budget=self.budget, refill_eps=c.refill_eps, beta=c.gad_beta, tau=c.gad_tau,
         )
-        _report_at_exit(gen, "iad")
+        _report_at_exit(gen, name)
         return gen
+
+    def _drafter_model(self, path: str, like):
+        """The drafter checkpoint on the verifier's device and dtype, loaded once per task (a
+        benchmark builds a generator per repeat and must not time checkpoint loading)."""
+        p = next(like.parameters())
+        key = (path, p.device, p.dtype)
+        cache = self.__dict__.setdefault("_drafters", {})
+        if key not in cache:
+            cache[key] = load_drafter(path, self, like=like)
+        return cache[key]
 
     def _scorers(self, n_models: int) -> list:
         """Per-step scorers, in order: LMBR posteriors (Iglesias et al. 2018 defaults), then token

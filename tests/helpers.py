@@ -72,6 +72,24 @@ def random_transformer(d: Dictionary, seed: int, layers: int = 2, dim: int = 32,
     return model.eval()
 
 
+def random_drafter(d: Dictionary, seed: int, k: int = 4, layers: int = 1, dim: int = 32):
+    """A random-weight block_drafter for dictionary `d` (drafts nonsense: verification must cope);
+    `.build_args` is the Namespace it was built from, as a checkpoint's cfg.model would hold it."""
+    from fairseq_streambeam.models.block_drafter import BlockDrafterModel, block_drafter_architecture
+
+    torch.manual_seed(seed)
+    args = argparse.Namespace(arch="block_drafter",
+        encoder_layers=layers, decoder_layers=layers, encoder_embed_dim=dim, decoder_embed_dim=dim,
+        encoder_ffn_embed_dim=2 * dim, decoder_ffn_embed_dim=2 * dim, encoder_attention_heads=2,
+        decoder_attention_heads=2, share_all_embeddings=False, share_decoder_input_output_embed=False,
+        max_source_positions=256, max_target_positions=256, dropout=0.0, draft_block_size=k,
+    )
+    block_drafter_architecture(args)
+    model = BlockDrafterModel.build_model(args, _Task(d)).eval()
+    model.build_args = args
+    return model
+
+
 def load_checkpoints(*paths: Path, data: Optional[Path] = None, **overrides):
     """Load real fairseq checkpoints; `data` points the saved task at a local data-bin."""
     if data is not None:

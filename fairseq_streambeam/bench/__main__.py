@@ -9,6 +9,7 @@ Writes a Markdown table (paper Table 1 shape), JSON and PNG plots to --out. Exam
 """
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -22,7 +23,7 @@ from .variants import BUILTIN, Variant, load_config, parse_methods
 
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
                 stream_window=32, repeats=1, threads=1, limit=0, finalize="auto",
-                methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam")
+                methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam", drafter=None)
 
 
 def parse_args(argv=None):
@@ -63,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--lmbr-theta0", type=float)
     p.add_argument("--lmbr-p", type=float, default=0.85)
     p.add_argument("--lmbr-r", type=float, default=0.72)
+    p.add_argument("--drafter", help="block_drafter checkpoint for the gad methods (scripts/train_drafter.sh)")
     p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -241,6 +243,10 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.stream_window = settings["stream_window"]
     task.cfg.block_size = v.block_size or 0
     task.cfg.stream_candidates = v.candidates
+    gad = v.decoding == "gad"
+    task.cfg.drafter = settings.get("drafter") if gad else None
+    task.cfg.gad_beta = (v.gad_beta or 1) if gad else 1
+    task.cfg.gad_tau = v.gad_tau if gad and v.gad_tau is not None else math.inf
     itr = task.get_batch_iterator(ts.dataset, max_sentences=v.batch_size or settings["batch_size"],
                                   max_tokens=settings["max_tokens"],
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=False)

@@ -5,7 +5,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-DECODINGS = ("fairseq", "fairseq-greedy", "beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "ct2")
+DECODINGS = ("fairseq", "fairseq-greedy", "beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad",
+             "ct2")
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Variant:
     lmbr: bool = False  # score with the run's --lmbr-posteriors
     block_size: Optional[int] = None  # aggressive decoding: draft cap (0 = auto)
     candidates: Optional[int] = None  # streaming: live-candidate budget (--stream-candidates)
+    gad_beta: Optional[int] = None  # gad: verifier top-beta (1 = greedy output; >1 = GAD++)
+    gad_tau: Optional[float] = None  # gad++: log-prob tolerance to the verifier's top-1
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
@@ -44,6 +47,8 @@ BUILTIN: Dict[str, Variant] = {
     "fixed-stream": Variant("fixed-stream", "fixed-stream"),
     "ct2": Variant("ct2", "ct2"),
     "iad": Variant("iad", "iad", beam=1),
+    "gad": Variant("gad", "gad", beam=1),  # needs the run's --drafter
+    "gad++": Variant("gad++", "gad", beam=1, gad_beta=3, gad_tau=1.0),
     "beam+lmbr": Variant("beam+lmbr", "beam", lmbr=True),
     "var-stream+lmbr": Variant("var-stream+lmbr", "var-stream", lmbr=True),
 }

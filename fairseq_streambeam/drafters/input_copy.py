@@ -5,13 +5,17 @@ last `ngram` tokens occur exactly once in the source (a unique-substring match).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
 
 
 @dataclass
 class CopyState:
     src: List[int]  # source tokens including its EOS, so a draft can end the output
     pos: Optional[int] = 0  # next source position to copy from; None = not aligned
+    last: Optional[List[int]] = None  # the draft of the pass being verified
 
 
 AUTO_BATCHED_BLOCK = 8  # measured on gec-tiny, CoNLL-14, CPU: batch 32 fastest at 4-8, batch 1 uncapped
@@ -29,6 +33,34 @@ class InputCopyDrafter:
             raise ValueError(f"--block-size must be >= 1 (or 0 = the whole remaining source), got {block_size}")
         self.ngram = ngram
         self.block_size = block_size
+
+    # ---- the group interface (drafters.base.Drafter): one CopyState per row ----
+
+    def open(self, srcs, rows: List[int]) -> List[CopyState]:
+        self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+        return [self.start(srcs.tokens(i)) for i in rows]
+
+    def propose(self, state: List[CopyState], outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        drafts = [self.draft(st, batched=len(state) > 1)[:cap] for st, cap in zip(state, caps)]
+        for st, d in zip(state, drafts):
+            st.last = d
+        width = max((len(d) for d in drafts), default=0)
+        out = torch.full((len(drafts), width), self.pad, dtype=torch.long)
+        for i, d in enumerate(drafts):
+            out[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        return out.to(self.device), [len(d) for d in drafts]
+
+    def advance(self, state: List[CopyState], outs: List[List[int]], matched: List[int]) -> None:
+        for st, j, out in zip(state, matched, outs):
+            self.update(st, st.last or [], j, out)
+
+    def select(self, state: List[CopyState], keep: List[int]) -> List[CopyState]:
+        return [state[i] for i in keep]
+
+    def merge(self, a: List[CopyState], b: List[CopyState]) -> List[CopyState]:
+        return a + b
+
+    # ---- one row ----
 
     def start(self, src: List[int]) -> CopyState:
         return CopyState(list(src), 0)

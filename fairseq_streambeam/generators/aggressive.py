@@ -1,11 +1,14 @@
 """Aggressive decoding (Ge et al. 2022), batched with a KV cache and streaming refill.
 
-Each pass feeds every live row its last accepted token plus a draft block, verifies the whole
-block in one decoder pass over the cached prefix, accepts the draft up to its first mismatch plus
-the model's own token there (so every pass yields at least one token), and rolls the cache back
-by masking the rejected slots. Acceptance is strict top-1, so the output is greedy decoding's
-(fairseq `--beam 1`), token for token. Rows that finish leave; new sources enter when fewer than
-eps*n are live, as in VAR-STREAM.
+Each pass asks the drafter for a block per live row (IAD: the source's continuation; GAD: a
+block_drafter model's parallel guess), feeds every row its last accepted token plus its draft,
+verifies the whole block in one decoder pass over the cached prefix, accepts the draft up to its
+first rejected token plus the verifier's own token there (so every pass yields at least one token),
+and rolls the cache back by masking the rejected slots. Verification is strict top-1 by default, so
+the output is greedy decoding's (fairseq `--beam 1`) token for token; GAD++ (`beta` > 1) also
+accepts a draft token that is among the verifier's top-beta and within `tau` of its top-1
+log-probability. Rows that finish leave; new sources enter when fewer than eps*n are live, as in
+VAR-STREAM.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
-from ..drafters.input_copy import CopyState, InputCopyDrafter
+from ..drafters.base import Drafter
+from ..drafters.input_copy import InputCopyDrafter
 from ..runtime.block_step import cached_length, check_block_decoder, compact, forward_block, mask_slots
 from ..runtime.cache import (
     cat_incremental_states,
@@ -36,32 +40,35 @@ from .stream_beam import _max_source_positions
 
 @dataclass
 class Row:
-    """One live source: window row, its output so far, and its drafter state."""
+    """One live source: its window row, length limit and output so far."""
 
     window_row: int
     max_len: int
-    draft: CopyState
     out: List[int] = field(default_factory=list)
     lp: List[float] = field(default_factory=list)
 
 
 class Group:
-    """Rows decoded in one batch: their fairseq incremental states (one per model)."""
+    """Rows decoded in one batch: the verifier's incremental states (one per model) and the
+    drafter's state for the same rows."""
 
-    def __init__(self, rows: List[Row], n_models: int, encoder_outs):
+    def __init__(self, rows: List[Row], n_models: int, encoder_outs, draft: Any):
         self.rows = rows
         self.states = [{} for _ in range(n_models)]
         self.encoder_outs = encoder_outs  # only until the first pass has cached cross-attention keys
+        self.draft = draft
 
 
 class AggressiveGenerator(SequenceGenerator):
-    """IAD: `--decoding iad`. Same `generate` signature and output format as fairseq's generator."""
+    """IAD (`--decoding iad`) and GAD/GAD++ (`--decoding gad`). Same `generate` signature and
+    output format as fairseq's generator."""
 
     def __init__(self, models, tgt_dict, max_len_a: float = 0, max_len_b: int = 200, max_len: int = 0,
                  min_len: int = 1, normalize_scores: bool = True, len_penalty: float = 1.0,
                  unk_penalty: float = 0.0, temperature: float = 1.0, eos: Optional[int] = None,
-                 symbols_to_strip_from_output=None, drafter: Optional[InputCopyDrafter] = None,
-                 budget: Optional[Budget] = None, refill_eps: float = 1 / 6, compact_slack: int = 16, **_):
+                 symbols_to_strip_from_output=None, drafter: Optional[Drafter] = None,
+                 budget: Optional[Budget] = None, refill_eps: float = 1 / 6, compact_slack: int = 16,
+                 beta: int = 1, tau: float = math.inf, **_):
         super().__init__(models, tgt_dict, beam_size=1, max_len_a=max_len_a, max_len_b=max_len_b, max_len=max_len,
                          min_len=min_len, normalize_scores=normalize_scores, len_penalty=len_penalty,
                          unk_penalty=unk_penalty, temperature=temperature, eos=eos,
@@ -69,7 +76,12 @@ class AggressiveGenerator(SequenceGenerator):
         for m in self.model.models:
             check_block_decoder(m.decoder)
         check_vocabulary(self.model, tgt_dict)
-        self.drafter = drafter or InputCopyDrafter()
+        if beta < 1:
+            raise ValueError(f"--gad-beta must be >= 1, got {beta}")
+        if not tau >= 0:
+            raise ValueError(f"--gad-tau must be >= 0, got {tau}")
+        self.drafter: Drafter = drafter or InputCopyDrafter()
+        self.beta, self.tau = beta, tau
         self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty,
                                           min_len=min_len, suppress=self.token_indices_to_suppress)
         self.scheduler = Scheduler("min-length", budget or Budget(), refill_eps)
@@ -112,67 +124,68 @@ class AggressiveGenerator(SequenceGenerator):
     def _admit(self, srcs: Sources, new: List[int]) -> Group:
         t = time.perf_counter()
         enc = self.model.forward_encoder(srcs.subset_input(new))
+        draft = self.drafter.open(srcs, new)
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
-        rows = [Row(i, srcs.max_lens[i], self.drafter.start(srcs.tokens(i))) for i in new]
-        return Group(rows, self.model.models_size, enc)
+        rows = [Row(i, srcs.max_lens[i]) for i in new]
+        return Group(rows, self.model.models_size, enc, draft)
 
     def _merge(self, a: Group, b: Group) -> Group:
         a.states = [cat_incremental_states([sa, sb]) for sa, sb in zip(a.states, b.states)]
+        a.draft = self.drafter.merge(a.draft, b.draft)
         a.rows = a.rows + b.rows
         return a
 
     def _pass(self, g: Group, results, srcs: Sources) -> int:
-        """One verification pass over every row of `g`. Returns source tokens of finished rows."""
+        """One draft + verification pass over every row of `g`. Returns source tokens of finished rows."""
         dev = srcs.net_input["src_tokens"].device
-        drafts = [self.drafter.draft(r.draft, batched=len(g.rows) > 1) for r in g.rows]
-        m = 1 + max(len(d) for d in drafts)
         n = len(g.rows)
-        block = torch.full((n, m), self.pad, dtype=torch.long)
-        pos = torch.zeros((n, m), dtype=torch.long)
-        for i, (r, d) in enumerate(zip(g.rows, drafts)):
-            block[i, 0] = r.out[-1] if r.out else self.bos
-            block[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
-            pos[i] = len(r.out) + torch.arange(m)
-        block, pos = block.to(dev), pos.to(dev)
-        block_pad = block.eq(self.pad)
+        outs = [r.out for r in g.rows]
+        # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
+        caps = [r.max_len - len(r.out) for r in g.rows]
+        t = time.perf_counter()
+        drafts, lens = self.drafter.propose(g.draft, outs, caps)
+        d = drafts.size(1)
+        m = 1 + d
+        last = torch.tensor([r.out[-1] if r.out else self.bos for r in g.rows], dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        draft_pad = torch.arange(d).unsqueeze(0) >= lens_t.unsqueeze(1)
+        block_pad = torch.cat([torch.zeros(n, 1, dtype=torch.bool), draft_pad], 1).to(dev)
+        block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1).masked_fill(block_pad, self.pad)
+        out_len = torch.tensor([len(r.out) for r in g.rows], dtype=torch.long)
+        steps = (out_len.unsqueeze(1) + torch.arange(m)).to(dev)
         enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
 
-        t = time.perf_counter()
-        lprobs = self._verify_lprobs(block, pos, block_pad, enc, g)
+        lprobs = self._verify_lprobs(block, steps, block_pad, enc, g)
+        g.encoder_outs = None
+        lprobs = self._penalties(lprobs, steps, torch.tensor([r.max_len for r in g.rows], device=dev))
+        packed = self._accept(lprobs, block, block_pad)
+        # the one host sync of the pass (token ids are exact in the float32/64 packing, below 2**24)
+        best_h, lp_h, draft_h, dlp_h, acc_h = packed.cpu().numpy()
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.decoder_steps += 1
         self.counters.expansions += int(n * m)
-        g.encoder_outs = None
-
-        steps = torch.tensor([len(r.out) for r in g.rows], device=dev).unsqueeze(1) + torch.arange(m, device=dev)
-        lprobs = self._penalties(lprobs, steps, torch.tensor([r.max_len for r in g.rows], device=dev))
-        best_lp, best = lprobs.max(dim=2)
-        # the one host sync of the pass (token ids are exact in float32 below 2**24)
-        best_h, lp_h = torch.stack([best.to(best_lp.dtype), best_lp]).cpu().numpy()
-        best_h = best_h.astype("int64")
+        self.counters.verified_rows += n
 
         rejected = torch.zeros(n, m, dtype=torch.bool)
-        done_rows, finished_tokens = [], 0
-        for i, (r, d) in enumerate(zip(g.rows, drafts)):
-            j = 0
-            while j < len(d) and d[j] == best_h[i, j]:
-                j += 1
-            new = [int(x) for x in best_h[i, : j + 1]]
-            new_lp = [float(x) for x in lp_h[i, : j + 1]]
+        done_rows, finished_tokens, matched = [], 0, []
+        for i, r in enumerate(g.rows):
+            j = int(acc_h[i, 0])
+            new = [int(x) for x in draft_h[i, :j]] + [int(best_h[i, j])]
+            new_lp = [float(x) for x in dlp_h[i, :j]] + [float(lp_h[i, j])]
             if self.eos in new:
                 k = new.index(self.eos) + 1
                 new, new_lp = new[:k], new_lp[:k]
             r.out += new
             r.lp += new_lp
+            matched.append(j)
             self.counters.accepted_tokens += len(new)
             rejected[i, j + 1:] = True
             if r.out[-1] == self.eos:
                 done_rows.append(i)
                 results[r.window_row] = [self._hypo(r, dev)]
                 finished_tokens += srcs.lengths[r.window_row]
-            else:
-                self.drafter.update(r.draft, d, j, r.out)
+        self.drafter.advance(g.draft, outs, matched)
         prev = cached_length(self.model.models[0].decoder, g.states[0]) - m
         masked = torch.cat([torch.zeros(n, prev, dtype=torch.bool), rejected], 1).to(dev)
         for mdl, st in zip(self.model.models, g.states):
@@ -183,6 +196,7 @@ class AggressiveGenerator(SequenceGenerator):
             idx = torch.tensor(keep, dtype=torch.long, device=dev)
             for mdl, st in zip(self.model.models, g.states):
                 reorder_incremental_state(mdl.decoder, st, idx)
+            g.draft = self.drafter.select(g.draft, keep)
             g.rows = [g.rows[i] for i in keep]
         if g.rows:
             real = max(len(r.out) for r in g.rows)
@@ -191,11 +205,36 @@ class AggressiveGenerator(SequenceGenerator):
                     compact(mdl.decoder, st)
         return finished_tokens
 
-    def _verify_lprobs(self, block, pos, block_pad, enc, g: Group) -> Tensor:
+    def _accept(self, lprobs: Tensor, block: Tensor, block_pad: Tensor) -> Tensor:
+        """Verification on the device. Block slot j predicts the token after slot j; draft token
+        j+1 is accepted while every draft token before it was. Returns, packed for one host copy,
+        [5, N, m]: verifier top-1 ids and log-probs, draft ids and their log-probs (last column
+        padding), and the number of accepted draft tokens (broadcast over the last axis)."""
+        n, m, _ = lprobs.shape
+        best_lp, best = lprobs.max(dim=2)
+        draft = block[:, 1:]
+        pred = lprobs[:, :-1]
+        draft_lp = pred.gather(2, draft.unsqueeze(2)).squeeze(2)
+        if self.beta == 1:
+            ok = draft.eq(best[:, :-1])  # strict: exactly greedy decoding
+        else:
+            top = pred.topk(min(self.beta, pred.size(2)), dim=2).indices
+            ok = top.eq(draft.unsqueeze(2)).any(2) & (draft_lp >= best_lp[:, :-1] - self.tau)
+        ok &= ~block_pad[:, 1:]
+        accepted = ok.long().cumprod(1).sum(1)
+        dtype = torch.promote_types(lprobs.dtype, torch.float32)
+        pad_col = lprobs.new_zeros(n, 1, dtype=dtype)
+        return torch.stack([
+            best.to(dtype), best_lp.to(dtype),
+            torch.cat([draft.to(dtype), pad_col], 1), torch.cat([draft_lp.to(dtype), pad_col], 1),
+            accepted.to(dtype).unsqueeze(1).expand(n, m),
+        ])
+
+    def _verify_lprobs(self, block, steps, block_pad, enc, g: Group) -> Tensor:
         """Log-probs [N, m, V] at every block position, averaged over the ensemble like fairseq."""
         outs = []
         for i, mdl in enumerate(self.model.models):
-            logits = forward_block(mdl.decoder, block, pos, enc[i], g.states[i], block_pad)
+            logits = forward_block(mdl.decoder, block, steps, enc[i], g.states[i], block_pad)
             logits = logits.div_(self.temperature) if self.temperature != 1.0 else logits
             outs.append(mdl.get_normalized_probs((logits, None), log_probs=True))
         if len(outs) == 1:
@@ -215,4 +254,3 @@ class AggressiveGenerator(SequenceGenerator):
         score = total / (len(r.out) ** self.len_penalty) if self.normalize_scores else total
         return {"tokens": torch.tensor(r.out, device=dev), "score": score, "attention": torch.empty(0),
                 "alignment": torch.empty(0), "positional_scores": pos}
-

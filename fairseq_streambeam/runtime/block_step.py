@@ -39,10 +39,24 @@ def _position_table(decoder, length: int, device) -> Optional[Tensor]:
     return decoder.embed_positions(probe)[0]
 
 
-def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state: IncState,
-                  block_pad: Tensor) -> Tensor:
+def block_attn_mask(prev: int, m: int, tail: int, dtype, device) -> Tensor:
+    """Additive self-attention mask [m, prev + m] for a block appended to `prev` cached slots: every
+    slot sees the whole cache; the first m - tail slots are causal among themselves and do not see
+    the tail; the last `tail` slots (a drafter's mask tokens) see the whole block."""
+    mask = torch.zeros(m, prev + m, dtype=dtype, device=device)
+    head = m - tail
+    mask[:head, prev:prev + head] = torch.triu(torch.full((head, head), -math.inf, dtype=dtype, device=device), 1)
+    mask[:head, prev + head:] = -math.inf
+    return mask
+
+
+def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state: Optional[IncState],
+                  block_pad: Tensor, tail: int = 0, logits_for_tail: bool = False) -> Tensor:
     """Logits [N, m, V] for block `tokens` [N, m] at target positions `positions` [N, m]; appends
-    the block to the cache in `state`. `block_pad` [N, m] marks padding inside the block."""
+    the block to the cache in `state` (None: no cache, as in training). `block_pad` [N, m] marks
+    padding inside the block; the last `tail` slots attend bidirectionally (block_attn_mask).
+    `logits_for_tail`: project only the tail slots (logits [N, tail, V]; the vocabulary projection
+    is the largest matrix product of a small model)."""
     m = tokens.size(1)
     x = decoder.embed_scale * decoder.embed_tokens(tokens)
     if decoder.quant_noise is not None:
@@ -56,9 +70,8 @@ def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state
         x = decoder.layernorm_embedding(x)
     x = decoder.dropout_module(x).transpose(0, 1)
 
-    prev = cached_length(decoder, state)
-    mask = torch.zeros(m, prev + m, dtype=x.dtype, device=x.device)
-    mask[:, prev:] = torch.triu(torch.full((m, m), -math.inf, dtype=x.dtype, device=x.device), 1)
+    prev = 0 if state is None else cached_length(decoder, state)
+    mask = block_attn_mask(prev, m, tail, x.dtype, x.device)
     enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) else None
     enc_mask = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
     for layer in decoder.layers:
@@ -66,6 +79,8 @@ def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state
     if decoder.layer_norm is not None:
         x = decoder.layer_norm(x)
     x = x.transpose(0, 1)
+    if logits_for_tail:
+        x = x[:, m - tail:]
     if decoder.project_out_dim is not None:
         x = decoder.project_out_dim(x)
     return decoder.output_layer(x)
@@ -99,6 +114,7 @@ def compact(decoder, state: IncState) -> None:
     mask = buf0.get("prev_key_padding_mask")
     if mask is None:
         return
+    mask = mask.bool()  # fairseq stores it as float after appending a block with padding
     valid = ~mask
     keep = int(valid.sum(1).max())
     order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices[:, :keep]  # valid slots first
@@ -110,4 +126,17 @@ def compact(decoder, state: IncState) -> None:
             idx = order[:, None, :, None].expand(t.size(0), t.size(1), keep, t.size(3))
             buf[name] = t.gather(2, idx)
         buf["prev_key_padding_mask"] = new_mask
+        mha._set_input_buffer(state, buf)
+
+
+def truncate_slots(decoder, state: IncState, length: int) -> None:
+    """Keep the first `length` self-attention cache slots of every row (drop a block's tail that
+    no row keeps, e.g. a drafter's mask slots): a view, no copy."""
+    for mha in _self_attn_modules(decoder):
+        buf = mha._get_input_buffer(state)
+        for name in ("prev_key", "prev_value"):
+            buf[name] = buf[name][:, :, :length]
+        mask = buf.get("prev_key_padding_mask")
+        if mask is not None:
+            buf["prev_key_padding_mask"] = mask[:, :length]
         mha._set_input_buffer(state, buf)

@@ -124,16 +124,17 @@ def needs_encoder_out_each_step(model: EnsembleModel) -> bool:
     return not all(isinstance(m.decoder, TransformerDecoderBase) for m in model.models)
 
 
-def encoder_out_stand_in(model: EnsembleModel, rows: int, device: torch.device) -> List[EncOut]:
+def encoder_out_stand_in(model, rows: int, device: torch.device) -> List[EncOut]:
     """Zero-copy encoder outputs for a transformer decoder whose cross-attention keys are cached.
 
     fairseq's TransformerDecoder skips cross-attention when `encoder_out` is empty, so it must get
     a tensor; once `prev_key` is in the incremental state, MultiheadAttention(static_kv=True)
     ignores that tensor and its padding mask and uses the cached keys and mask. A stride-0 view of
     the right batch size avoids re-gathering [src_len, rows, dim] encoder states every step.
+    `model` is an EnsembleModel (one output per member) or a single fairseq model.
     """
     outs = []
-    for m in model.models:
+    for m in getattr(model, "models", [model]):
         dim = m.decoder.embed_dim if hasattr(m.decoder, "embed_dim") else 1
         dummy = torch.zeros(1, 1, dim, device=device).expand(1, rows, dim)
         outs.append({"encoder_out": [dummy], "encoder_padding_mask": [], "encoder_embedding": [],

@@ -13,6 +13,7 @@ class Counters:
     expansions: int = 0  # candidate rows expanded by the decoder, summed over steps
     encoder_calls: int = 0
     accepted_tokens: int = 0  # aggressive decoding: output tokens accepted, summed over passes
+    verified_rows: int = 0  # aggressive decoding: rows verified, summed over passes (= passes at batch 1)
     backoff_hypotheses: int = 0  # sources that ended with no finished hypothesis and took the backoff stack's
     model_seconds: float = 0.0  # encoder + decoder calls
     total_seconds: float = 0.0  # whole generate calls
@@ -31,7 +32,8 @@ class Counters:
 
     @property
     def accepted_per_pass(self) -> float:
-        return self.accepted_tokens / self.decoder_steps if self.decoder_steps else 0.0
+        """Tokens one row gains per verification pass (the paper's tokens per iteration)."""
+        return self.accepted_tokens / self.verified_rows if self.verified_rows else 0.0
 
     @property
     def bookkeeping_seconds(self) -> float:
@@ -49,7 +51,7 @@ class Counters:
 
     def summary(self) -> str:
         d = self.as_dict()
-        accepted = f", {d['accepted_per_pass']} tokens accepted per pass" if self.accepted_tokens else ""
+        accepted = f", {d['accepted_per_pass']} tokens accepted per row and pass" if self.accepted_tokens else ""
         return (
             f"{d['sentences']} sentences, {d['decoder_steps']} decoder steps, {d['expansions']} expansions "
             f"({d['expansions_per_step']} per step){accepted}, {d['sentences_per_second']} sentences/s, "

@@ -1,0 +1,1 @@
+"""fairseq criterions registered by the plugin."""

@@ -1,0 +1,101 @@
+"""GAD drafter (Ge et al. 2022): a `block_drafter` model drafts the next k tokens of every row in
+one parallel pass.
+
+The drafter keeps its own incremental cache of each row's accepted prefix: every pass feeds the
+tokens accepted since the previous pass (causal, like the AR decoder) followed by k mask slots
+(bidirectional), takes the argmax at the mask slots, and cuts the mask slots off the cache again.
+The source is encoded once per row, when it enters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..runtime.block_step import cached_length, compact, truncate_slots
+from ..runtime.cache import cat_incremental_states, encoder_out_stand_in, reorder_incremental_state
+
+
+@dataclass
+class DraftGroup:
+    """Drafter state of one group of rows."""
+
+    rows: List[int]  # window rows (sources) in this group, in order
+    pending: List[List[int]]  # accepted tokens not yet fed to the drafter, per row (starts as [BOS])
+    fed: List[int]  # tokens fed so far per row = target position of the next fed token
+    state: dict = field(default_factory=dict)  # the drafter decoder's incremental state
+    encoder_out: Optional[dict] = None  # until the first pass has cached cross-attention keys
+
+
+class ModelDrafter:
+    """Drafts with a trained `block_drafter` fairseq model (see models/block_drafter.py)."""
+
+    def __init__(self, model, tgt_dict, block_size: int = 0, compact_slack: int = 16):
+        from ..models.block_drafter import BlockDrafterModel
+
+        if not isinstance(model, BlockDrafterModel):
+            raise ValueError(f"--drafter must be a block_drafter checkpoint (fairseq-train --arch block_drafter*); "
+                             f"got a {type(model).__name__}")
+        if block_size < 0:
+            raise ValueError(f"--block-size must be >= 1 (or 0 = the drafter's trained size), got {block_size}")
+        self.model = model
+        self.k = block_size or model.draft_block_size
+        self.pad, self.bos, self.mask = tgt_dict.pad(), tgt_dict.eos(), tgt_dict.unk()
+        self.max_pos = _max_target_positions(model)
+        self.compact_slack = compact_slack
+        self.passes = 0
+
+    def open(self, srcs, rows: List[int]) -> DraftGroup:
+        enc = self.model.encoder.forward_torchscript(srcs.subset_input(rows))
+        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, enc)
+
+    def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        n, k = len(g.pending), self.k
+        dev = next(self.model.parameters()).device
+        a = max(len(p) for p in g.pending)
+        head = torch.full((n, a), self.pad, dtype=torch.long)
+        pos = torch.zeros((n, a + k), dtype=torch.long)
+        for i, p in enumerate(g.pending):
+            head[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            pos[i, :a] = g.fed[i] + torch.arange(a)
+            pos[i, a:] = g.fed[i] + len(p) + torch.arange(k)
+        block_pad = torch.cat([head.eq(self.pad), torch.zeros(n, k, dtype=torch.bool)], 1).to(dev)
+        tokens = torch.cat([head, torch.full((n, k), self.mask, dtype=torch.long)], 1).to(dev)
+        pos = pos.clamp(max=self.max_pos).to(dev)  # slots past the model's positions are never accepted
+        enc = g.encoder_out if g.encoder_out is not None else encoder_out_stand_in(self.model, n, dev)[0]
+        logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state)
+        g.encoder_out = None
+        truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
+        for i, p in enumerate(g.pending):
+            g.fed[i] += len(p)
+        self.passes += 1
+        lens = [max(0, min(k, c)) for c in caps]
+        return logits.argmax(-1), lens
+
+    def advance(self, g: DraftGroup, outs: List[List[int]], matched: List[int]) -> None:
+        g.pending = [out[f - 1:] for out, f in zip(outs, g.fed)]  # out[f-1] is the first token not fed
+        real = max(g.fed) + 1
+        if cached_length(self.model.decoder, g.state) > 2 * real + self.compact_slack:
+            compact(self.model.decoder, g.state)
+
+    def select(self, g: DraftGroup, keep: List[int]) -> DraftGroup:
+        dev = next(self.model.parameters()).device
+        reorder_incremental_state(self.model.decoder, g.state, torch.tensor(keep, dtype=torch.long, device=dev))
+        g.rows = [g.rows[i] for i in keep]
+        g.pending = [g.pending[i] for i in keep]
+        g.fed = [g.fed[i] for i in keep]
+        return g
+
+    def merge(self, a: DraftGroup, b: DraftGroup) -> DraftGroup:
+        a.state = cat_incremental_states([a.state, b.state])
+        a.rows, a.pending, a.fed = a.rows + b.rows, a.pending + b.pending, a.fed + b.fed
+        return a
+
+
+def _max_target_positions(model) -> int:
+    mp = model.max_positions() if hasattr(model, "max_positions") else None
+    mp = mp[1] if isinstance(mp, tuple) else mp
+    return int(mp) if isinstance(mp, int) else 10**9

@@ -1,0 +1,66 @@
+"""Pair sources with an AR model's outputs for drafter training (sequence-level distillation).
+
+  python -m fairseq_streambeam.drafters.distill --src train.de --hyp distilled/output.txt \\
+      --sentencepiece-model spm.model --out-prefix work/train -s de -t en
+
+Writes `PREFIX.S` / `PREFIX.T` segmented with the model's sentencepiece model (or unchanged with
+--bpe none), one pair per line, skipping pairs with an empty side; prints how many were kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.drafters.distill",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--src", required=True, help="raw source lines (the decoder's input)")
+    p.add_argument("--hyp", required=True,
+                   help="the AR model's outputs, one per source line (decode_corpus output.txt)")
+    p.add_argument("--out-prefix", required=True)
+    p.add_argument("-s", "--source-lang", required=True)
+    p.add_argument("-t", "--target-lang", required=True)
+    p.add_argument("--bpe", choices=["sentencepiece", "none"], default="sentencepiece")
+    p.add_argument("--sentencepiece-model")
+    a = p.parse_args(argv)
+    src = Path(a.src).read_text(encoding="utf-8").split("\n")
+    hyp = Path(a.hyp).read_text(encoding="utf-8").split("\n")
+    for lines in (src, hyp):
+        if lines and lines[-1] == "":
+            lines.pop()
+    if len(src) != len(hyp):
+        print(f"error: {a.src} has {len(src)} lines but {a.hyp} has {len(hyp)}", file=sys.stderr)
+        return 2
+    if a.bpe == "sentencepiece":
+        if not a.sentencepiece_model:
+            print("error: --bpe sentencepiece needs --sentencepiece-model", file=sys.stderr)
+            return 2
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=a.sentencepiece_model)
+
+        def seg(x: str) -> str:
+            return " ".join(sp.encode(x, out_type=str))
+    else:
+        def seg(x: str) -> str:
+            return x.strip()
+    kept = 0
+    out = Path(a.out_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{out}.{a.source_lang}", "w", encoding="utf-8") as fs, \
+            open(f"{out}.{a.target_lang}", "w", encoding="utf-8") as ft:
+        for x, y in zip(src, hyp):
+            xs, ys = seg(x), seg(y)
+            if xs and ys:
+                fs.write(xs + "\n")
+                ft.write(ys + "\n")
+                kept += 1
+    print(f"{kept} of {len(src)} pairs written to {out}.{{{a.source_lang},{a.target_lang}}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

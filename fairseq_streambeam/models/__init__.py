@@ -1,0 +1,1 @@
+"""fairseq models registered by the plugin."""

@@ -1,0 +1,154 @@
+"""The GAD block drafter (Ge et al. 2022): `--arch block_drafter`, a fairseq transformer whose
+decoder reads the source, a target prefix and k mask slots, and predicts the next k target tokens
+in one parallel pass.
+
+Decoder input of one row: [BOS y1 .. yt] (causal, exactly as in the AR decoder, so an incremental
+cache of the prefix can be kept) followed by k mask slots that see the whole prefix and each other
+(`runtime.block_step.block_attn_mask`). The mask token is the dictionary's <unk>, so the drafter's
+dictionary stays identical to the verifier's. Weights can start from the AR model (`--init-from`),
+which is what makes CPU training of a useful drafter take minutes rather than hours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Optional, Tuple
+
+import torch
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerModel, base_architecture
+from torch import Tensor
+
+from ..runtime.block_step import forward_block
+
+logger = logging.getLogger("fairseq_streambeam")
+
+
+@register_model("block_drafter")
+class BlockDrafterModel(TransformerModel):
+    """TransformerModel with a block-drafting decoder call; same modules, so AR weights load into it."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--draft-block-size", type=int, metavar="K",
+                            help="mask slots per block (k); the default block size at decoding time")
+        parser.add_argument("--init-from", type=str, metavar="PATH",
+                            help="AR fairseq checkpoint whose weights initialise every tensor of equal name "
+                                 "and shape (encoder, embeddings, the first decoder layers)")
+
+    @classmethod
+    def build_model(cls, args, task):
+        k = getattr(args, "draft_block_size", None)
+        if k is None or k < 1:
+            raise ValueError(f"--draft-block-size must be >= 1, got {k}")
+        if getattr(args, "target_dict_sha", None) is None:  # recorded at training time, checked when decoding
+            args.target_dict_sha = dictionary_sha(task.target_dictionary)
+        model = super().build_model(args, task)
+        model.draft_block_size = k
+        path = getattr(args, "init_from", None)
+        if path:
+            init_from_checkpoint(model, path)
+            args.init_from = None  # saved checkpoints must not reload the AR weights (or need its path)
+        return model
+
+    def draft_logits(self, encoder_out, tokens: Tensor, positions: Tensor, block_pad: Tensor, k: int,
+                     state=None) -> Tensor:
+        """Logits [N, k, V] at the last k slots (the mask slots) of the block `tokens` [N, m]."""
+        return forward_block(self.decoder, tokens, positions, encoder_out, state, block_pad, tail=k,
+                             logits_for_tail=True)
+
+
+def dictionary_sha(d) -> str:
+    """Checksum of a fairseq Dictionary's symbols in order: equal ids mean equal tokens."""
+    return hashlib.sha256("\n".join(d.symbols).encode("utf-8")).hexdigest()[:16]
+
+
+def load_drafter(path: str, task, like: Optional[torch.nn.Module] = None) -> BlockDrafterModel:
+    """Load a block_drafter checkpoint for decoding with `task`'s dictionaries, on the device and
+    in the dtype of `like` (the verifier). A drafter trained with another dictionary would draft
+    ids that mean other tokens, so that is an error, not a silent slowdown."""
+    from fairseq import checkpoint_utils
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)
+    margs = state["cfg"]["model"]
+    arch = getattr(margs, "arch", None) or getattr(margs, "_name", None)
+    if ARCH_MODEL_REGISTRY.get(arch) is not BlockDrafterModel:
+        raise ValueError(f"--drafter {path} is a {arch!r} model, not a block_drafter "
+                         "(train one with scripts/train_drafter.sh)")
+    d = task.target_dictionary
+    rows = state["model"]["decoder.embed_tokens.weight"].shape[0]
+    sha = getattr(margs, "target_dict_sha", None)
+    if rows != len(d) or (sha is not None and sha != dictionary_sha(d)):
+        raise ValueError(f"--drafter {path} was trained with a different target dictionary ({rows} types) than "
+                         f"the verifier's ({len(d)} types{', same size, other tokens' if rows == len(d) else ''}); "
+                         "drafter and verifier must share the dictionary")
+    margs.init_from = None
+    model = task.build_model(margs)
+    model.load_state_dict(state["model"], strict=True)
+    if like is not None:
+        p = next(like.parameters())
+        model.to(device=p.device, dtype=p.dtype)
+    return model.eval()
+
+
+def init_from_checkpoint(model: torch.nn.Module, path: str) -> Tuple[int, int]:
+    """Copy every tensor of the checkpoint whose name and shape match; returns (copied, skipped)."""
+    from fairseq import checkpoint_utils
+
+    src = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
+    own = model.state_dict()
+    take = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(take, strict=False)
+    logger.info("block_drafter: initialised %d of %d tensors from %s", len(take), len(own), path)
+    return len(take), len(own) - len(take)
+
+
+def training_blocks(target: Tensor, pad: int, bos: int, mask: int, k: int,
+                    prefix_len: Optional[Tensor] = None, generator: Optional[torch.Generator] = None):
+    """Build drafter inputs from gold targets [B, T] (y1..yn EOS, right-padded).
+
+    Each row gets a prefix length t in [0, n-1] (random unless `prefix_len` is given). Returns
+    tokens [B, P + k] = [BOS y1..yt, pad.., MASK x k], positions [B, P + k], block_pad [B, P + k],
+    and labels [B, k] = y_{t+1}..y_{t+k} (pad past the row's end).
+    """
+    b, t_max = target.shape
+    dev = target.device
+    n = target.ne(pad).sum(1)
+    if prefix_len is None:
+        u = torch.rand(b, generator=generator).to(dev)
+        prefix_len = (u * n.to(u.dtype)).long().clamp(max=n - 1)
+    p = int(prefix_len.max()) + 1
+    cols = torch.arange(p, device=dev)
+    shifted = torch.cat([target.new_full((b, 1), bos), target], 1)[:, :p]  # p <= T: t <= n - 1
+    head_pad = cols.unsqueeze(0) > prefix_len.unsqueeze(1)
+    head = shifted.masked_fill(head_pad, pad)
+    tokens = torch.cat([head, target.new_full((b, k), mask)], 1)
+    q = torch.arange(k, device=dev)
+    positions = torch.cat([cols.expand(b, p), prefix_len.unsqueeze(1) + 1 + q], 1)
+    block_pad = torch.cat([head_pad, torch.zeros(b, k, dtype=torch.bool, device=dev)], 1)
+    idx = prefix_len.unsqueeze(1) + q
+    labels = target.gather(1, idx.clamp(max=t_max - 1)).masked_fill(idx >= t_max, pad)
+    return tokens, positions, block_pad, labels
+
+
+@register_model_architecture("block_drafter", "block_drafter")
+def block_drafter_architecture(args):
+    args.draft_block_size = getattr(args, "draft_block_size", 8)
+    base_architecture(args)
+
+
+@register_model_architecture("block_drafter", "block_drafter_small")
+def block_drafter_small(args):
+    """The size of shared/models/deen-tiny (3+3 layers, d=256), for drafters initialised from it."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    args.encoder_layers = getattr(args, "encoder_layers", 3)
+    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    block_drafter_architecture(args)

@@ -1,0 +1,259 @@
+"""GAD / GAD++ (Ge et al. 2022): a block_drafter model drafts, the AR model verifies.
+
+Exactness: with beta=1 the output equals fairseq's greedy SequenceGenerator (token ids and scores)
+whatever the drafter drafts, so random drafters are as good a test as trained ones. The drafter's
+incremental cache is checked against recomputing every draft from scratch.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    BIN,
+    N_TEST,
+    assert_same_hypos,
+    fairseq_generate,
+    load_checkpoints,
+    make_dict,
+    make_sample,
+    random_drafter,
+    random_sentences,
+    random_transformer,
+    run_cli,
+    shared_path,
+)
+
+from fairseq_streambeam.drafters.block_model import ModelDrafter
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+from fairseq_streambeam.models.block_drafter import training_blocks
+from fairseq_streambeam.runtime.scheduler import Budget
+
+D = make_dict(30)
+
+
+def gad(models, sample, drafter, k=3, n=4, **kw):
+    gen = AggressiveGenerator(models, D, drafter=ModelDrafter(drafter, D, k), budget=Budget(n), **kw)
+    return gen.generate(models, sample), gen
+
+
+@pytest.mark.parametrize("k,n", [(1, 1), (3, 1), (4, 3), (6, 12)])
+def test_gad_beta1_equals_greedy(k, n):
+    m = random_transformer(D, 10).double()
+    dr = random_drafter(D, 11, k=4).double()
+    s = make_sample(D, random_sentences(D, 12, 12))
+    kw = dict(max_len_b=12, min_len=2, unk_penalty=0.3, len_penalty=0.8)
+    ref = fairseq_generate([m], D, s, beam_size=1, **kw)
+    got, gen = gad([m], s, dr, k=k, n=n, **kw)
+    assert_same_hypos(ref, got)
+    assert gen.counters.sentences == 12 and gen.counters.verified_rows > 0
+
+
+def test_gad_ensemble_equals_greedy():
+    models = [random_transformer(D, 20).double(), random_transformer(D, 21).double()]
+    s = make_sample(D, random_sentences(D, 7, 22))
+    ref = fairseq_generate(models, D, s, beam_size=1, max_len_b=10)
+    assert_same_hypos(ref, gad(models, s, random_drafter(D, 23).double(), n=3, max_len_b=10)[0])
+
+
+class Recording(ModelDrafter):
+    """Keeps (source row, row output so far, draft) for every row of every pass."""
+
+    def propose(self, g, outs, caps):
+        drafts, lens = super().propose(g, outs, caps)
+        self.seen += [(src, list(o), drafts[i].tolist()) for i, (src, o) in enumerate(zip(g.rows, outs))]
+        return drafts, lens
+
+
+def test_drafter_cache_equals_recomputing_every_draft():
+    """Incremental drafting (pending tokens, cut mask slots, merges, dropped rows, compaction) drafts
+    exactly what one uncached pass over [BOS + output, MASK x k] drafts."""
+    m = random_transformer(D, 30, eos_bias=1.0).double()
+    dr = random_drafter(D, 31, k=3, layers=2).double()
+    s = make_sample(D, random_sentences(D, 9, 32))
+    rec = Recording(dr, D, 3, compact_slack=0)
+    rec.seen = []
+    AggressiveGenerator([m], D, drafter=rec, budget=Budget(3), max_len_b=20).generate([m], s)
+    src = s["net_input"]["src_tokens"]
+    enc_all = dr.encoder(src, src_lengths=s["net_input"]["src_lengths"])
+    for i, out, draft in rec.seen:
+        enc = dr.encoder.reorder_encoder_out(enc_all, torch.tensor([i]))
+        target = torch.tensor([out + [D.eos()]])  # only the prefix matters
+        toks, pos, pad, _ = training_blocks(target, D.pad(), D.eos(), D.unk(), 3, prefix_len=torch.tensor([len(out)]))
+        full = dr.draft_logits(enc, toks, pos, pad, 3).argmax(-1)[0].tolist()
+        assert draft == full, (i, out, draft, full)
+    assert len(rec.seen) > 30 and len({i for i, _, _ in rec.seen}) == 9
+
+
+def test_gad_plus_plus_acceptance_rule():
+    m = random_transformer(D, 40)
+    gen = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D), beta=2, tau=1.0)
+    lp = torch.full((1, 4, 30), -10.0)
+    # slot 0: draft 5 is 2nd best, 0.5 below top-1 -> accepted; slot 1: draft 6 is top-1 -> accepted;
+    # slot 2: draft 7 is 2nd best but 2.0 below top-1 -> rejected (tau); the verifier's top-1 follows
+    lp[0, 0, 9], lp[0, 0, 5] = -0.5, -1.0
+    lp[0, 1, 6] = -0.1
+    lp[0, 2, 8], lp[0, 2, 7] = -0.2, -2.2
+    block = torch.tensor([[2, 5, 6, 7]])
+    packed = gen._accept(lp, block, torch.zeros(1, 4, dtype=torch.bool))
+    assert int(packed[4, 0, 0]) == 2
+    assert packed[0, 0].tolist()[:3] == [9, 6, 8]
+    strict = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D))
+    assert int(strict._accept(lp, block, torch.zeros(1, 4, dtype=torch.bool))[4, 0, 0]) == 0
+    loose = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D), beta=2)
+    assert int(loose._accept(lp, block, torch.zeros(1, 4, dtype=torch.bool))[4, 0, 0]) == 3
+    padded = torch.tensor([[False, False, True, True]])  # a draft of one token: at most one accepted
+    assert int(loose._accept(lp, block, padded)[4, 0, 0]) == 1
+
+
+def test_gad_plus_plus_runs_and_accepts_more():
+    m = random_transformer(D, 50).double()
+    dr = random_drafter(D, 51, k=4).double()
+    s = make_sample(D, random_sentences(D, 10, 52))
+    strict = gad([m], s, dr, k=4, n=4, max_len_b=12)[1].counters.accepted_per_pass
+    hyps, gen = gad([m], s, dr, k=4, n=4, max_len_b=12, beta=30, tau=math.inf)
+    assert gen.counters.accepted_per_pass > strict  # accepts every draft token: k + 1 per pass when not ending
+    for h in hyps:
+        assert h[0]["tokens"][-1] == D.eos() and len(h[0]["tokens"]) <= 12 + 10 + 1
+
+
+def test_drafts_never_run_past_max_len():
+    m = random_transformer(D, 60, eos_bias=-5.0).double()  # rarely ends by itself: the length limit ends it
+    dr = random_drafter(D, 61, k=6).double()
+    s = make_sample(D, random_sentences(D, 6, 62, max_len=4))
+    for kw in (dict(max_len_b=3), dict(max_len_a=0, max_len_b=1)):
+        ref = fairseq_generate([m], D, s, beam_size=1, **kw)
+        assert_same_hypos(ref, gad([m], s, dr, k=6, n=2, **kw)[0], msg=str(kw))
+        # GAD++ accepting everything still ends at the limit with EOS
+        for h in gad([m], s, dr, k=6, n=2, beta=30, **kw)[0]:
+            assert len(h[0]["tokens"]) <= kw["max_len_b"] + 1 and h[0]["tokens"][-1] == D.eos()
+
+
+def test_bad_drafter_and_options():
+    m = random_transformer(D, 70)
+    with pytest.raises(ValueError, match="block_drafter"):
+        ModelDrafter(random_transformer(D, 71), D)
+    with pytest.raises(ValueError, match="block-size"):
+        ModelDrafter(random_drafter(D, 72), D, block_size=-1)
+    with pytest.raises(ValueError, match="gad-beta"):
+        AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 72), D), beta=0)
+    with pytest.raises(ValueError, match="gad-tau"):
+        AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 72), D), tau=-1.0)
+
+
+def test_training_blocks_layout():
+    pad, bos, mask = D.pad(), D.eos(), D.unk()
+    target = torch.tensor([[7, 8, 9, 2], [5, 2, pad, pad]])
+    toks, pos, bpad, labels = training_blocks(target, pad, bos, mask, 3, prefix_len=torch.tensor([2, 0]))
+    assert toks.tolist() == [[bos, 7, 8, mask, mask, mask], [bos, pad, pad, mask, mask, mask]]
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 1, 2, 3]]
+    assert bpad.tolist() == [[False] * 6, [False, True, True, False, False, False]]
+    assert labels.tolist() == [[9, 2, pad], [5, 2, pad]]
+    for _ in range(20):  # random prefix lengths stay inside each row
+        toks, pos, bpad, labels = training_blocks(target, pad, bos, mask, 2)
+        assert labels[:, 0].ne(pad).all()
+
+
+def _train_drafter(data, save, ar=None, extra=()):
+    cmd = [str(BIN / "fairseq-train"), str(data), "--user-dir", "fairseq_streambeam", "--arch", "block_drafter",
+           "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32", "--decoder-embed-dim",
+           "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
+           "--decoder-attention-heads", "2", "--draft-block-size", "3", "--criterion", "block_drafting",
+           "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "2000", "--max-update", "4",
+           "--save-dir", str(save), "--no-epoch-checkpoints", "--cpu", "--seed", "1", "--no-progress-bar",
+           "--valid-subset", "test", *extra]
+    if ar is not None:
+        cmd += ["--init-from", str(ar)]
+    return run_cli(cmd)
+
+
+def test_train_drafter_with_fairseq_train_and_decode_with_it(tiny_run, tmp_path):
+    """fairseq-train --user-dir trains a drafter (initialised from the AR checkpoint, glancing),
+    reports its accepted draft length on validation, and fairseq-generate --decoding gad with it
+    prints exactly what --decoding greedy prints."""
+    data, ckpt = tiny_run
+    r = _train_drafter(data, tmp_path / "dr", ar=ckpt)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "draft_accepted" in r.stdout + r.stderr
+    drafter = tmp_path / "dr" / "checkpoint_last.pt"
+    state = torch.load(drafter, weights_only=False)
+    assert state["cfg"]["model"].init_from is None  # decoding must not need the AR checkpoint's path
+
+    def generate(*extra):
+        r = run_cli([str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", "fairseq_streambeam",
+                     "--task", "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--batch-size", "8",
+                     "--cpu", *extra])
+        assert r.returncode == 0, r.stderr[-3000:]
+        hyps = {}
+        for line in r.stdout.splitlines():
+            if line.startswith("H-"):
+                key, score, text = line.split("\t")
+                hyps[key] = (text, float(score))
+        return hyps
+
+    def same(a, b):  # float32: block verification sums in another order than one-token steps
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key][0] == b[key][0], key
+            assert abs(a[key][1] - b[key][1]) < 1e-4, key
+
+    greedy = generate("--decoding", "greedy")
+    assert len(greedy) == N_TEST
+    same(generate("--decoding", "gad", "--drafter", str(drafter)), greedy)
+    same(generate("--decoding", "gad", "--drafter", str(drafter), "--block-size", "1"), greedy)
+
+
+def test_gad_cli_errors(tiny_run, tmp_path):
+    data, ckpt = tiny_run
+    base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", "fairseq_streambeam",
+            "--task", "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--cpu"]
+    r = run_cli(base + ["--decoding", "gad"])
+    assert r.returncode != 0 and "needs --drafter" in r.stderr
+    r = run_cli(base + ["--decoding", "gad", "--drafter", str(ckpt)])  # an AR checkpoint is no drafter
+    assert r.returncode != 0 and "not a block_drafter" in r.stderr
+    r = run_cli(base + ["--decoding", "iad", "--gad-beta", "2"])
+    assert r.returncode != 0 and "apply to --decoding gad" in r.stderr
+
+
+def test_drafter_with_another_dictionary_is_refused(tmp_path):
+    """Same size, other tokens: caught by the dictionary checksum recorded at training time."""
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    from fairseq_streambeam.models.block_drafter import load_drafter
+
+    other = make_dict(30)
+    other.symbols[-1] = "zzz"
+    dr = random_drafter(other, 80)
+    path = tmp_path / "dr.pt"
+    history = [{"criterion_name": "block_drafting", "optimizer_name": "adam", "lr_scheduler_state": {"best": None},
+                "num_updates": 0}]
+    torch.save({"model": dr.state_dict(), "cfg": {"model": dr.build_args}, "optimizer_history": history,
+                "extra_state": {"train_iterator": None}}, path)
+    task = TranslationTask(TranslationConfig(), D, D)
+    with pytest.raises(ValueError, match="different target dictionary"):
+        load_drafter(str(path), task)
+    bigger = make_dict(31)
+    task = TranslationTask(TranslationConfig(), bigger, bigger)
+    with pytest.raises(ValueError, match="different target dictionary"):
+        load_drafter(str(path), task)
+
+
+def test_deen_tiny_gad_equals_greedy():
+    """The real checkpoint as verifier; a drafter of its size initialised from it (block head untrained)."""
+    from fairseq_streambeam.models.block_drafter import init_from_checkpoint
+
+    root = shared_path("models", "deen-tiny")
+    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin")
+    models = [m.double() for m in models]
+    d = task.target_dictionary
+    task.load_dataset("test")
+    ds = task.dataset("test")
+    s = make_sample(d, [ds.src[i][:-1].tolist() for i in range(0, 3004, 500)])
+    ref = fairseq_generate(models, d, s, beam_size=1)
+    dr = random_drafter(d, 90, k=4, layers=2, dim=256)
+    copied, _ = init_from_checkpoint(dr, str(root / "checkpoint_best.pt"))
+    assert copied > 20
+    for n in (1, 4):
+        gen = AggressiveGenerator(models, d, drafter=ModelDrafter(dr.double(), d, 4), budget=Budget(n))
+        assert_same_hypos(ref, gen.generate(models, s), msg=f"budget {n}")
+        assert gen.counters.accepted_per_pass > 1
