@@ -40,3 +40,20 @@ def tiny_run(tmp_path_factory):
               "--cpu", "--seed", "1", "--no-progress-bar", "--disable-validation"])
     assert r.returncode == 0, r.stderr[-2000:]
     return root / "bin", root / "ckpt" / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_run, tmp_path_factory):
+    """A GAD block drafter for tiny_run's checkpoint, trained through fairseq-train --user-dir for a
+    few updates (initialised from the AR checkpoint, with glancing and validation)."""
+    data, ckpt = tiny_run
+    save = tmp_path_factory.mktemp("drafter")
+    r = run_cli([str(BIN / "fairseq-train"), str(data), "--user-dir", "fairseq_streambeam", "--arch", "block_drafter",
+                 "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+                 "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+                 "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--draft-block-size", "3",
+                 "--criterion", "block_drafting", "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "2000",
+                 "--max-update", "4", "--save-dir", str(save), "--no-epoch-checkpoints", "--cpu", "--seed", "1",
+                 "--no-progress-bar", "--valid-subset", "test", "--init-from", str(ckpt)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return save / "checkpoint_last.pt", r.stdout + r.stderr

@@ -60,8 +60,25 @@ def test_ctranslate2_runs_and_matches_fairseq_on_a_real_model(tiny_run, tmp_path
     assert rows[1]["identical_to_exact_ref"] >= 0.95
 
 
+def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
+    """iad, gad and the GAD++ sweep of configs/gad_sweep.json run through the harness and report
+    accepted tokens per pass and block padding."""
+    drafter, _ = tiny_drafter
+    rows = _bench(tiny_run, tmp_path, "--config", str(REPO / "configs" / "gad_sweep.json"), "--drafter", str(drafter),
+                  "--no-plots")
+    rows += _bench(tiny_run, tmp_path / "iad", "--methods", "fairseq-greedy,iad", "--beam", "1", "--batch-size", "4",
+                   "--baseline", "fairseq-greedy", "--exact-ref", "fairseq-greedy", "--no-plots")
+    by = {r["method"]: r for r in rows}
+    assert {"gad", "gad[block_size=4]", "gad[gad_beta=3,gad_tau=1.0]", "iad"} <= set(by)
+    for name in ("gad", "gad[block_size=4]", "iad"):  # = greedy; float32 near-ties could flip a token
+        assert by[name]["identical_to_exact_ref"] >= 0.95, name
+        assert by[name]["accepted_per_pass"] >= 1 and 0 <= by[name]["padding_share"] < 1
+    with pytest.raises(SystemExit):
+        _bench(tiny_run, tmp_path / "x", "--methods", "gad", "--beam", "1")  # no --drafter
+
+
 def test_configs_and_sweeps_expand():
-    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep"):
+    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep"):
         settings, variants = load_config(str(REPO / "configs" / f"{name}.json"))
         assert variants and not any(k.startswith("_") for k in settings)
     _, variants = load_config(str(REPO / "configs" / "table5_sweep.json"))

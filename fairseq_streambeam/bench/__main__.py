@@ -131,6 +131,8 @@ def main(argv=None):
     print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']}, "
           f"{settings['repeats']} repeat(s): {', '.join(v.name for v in variants)}", flush=True)
 
+    if any(v.decoding == "gad" for v in variants) and not settings["drafter"]:
+        raise SystemExit("the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)")
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
     ct2 = _ct2_translator(args, variants, threads)
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0} for v in variants}
@@ -175,7 +177,7 @@ def main(argv=None):
             "decoder_steps": c.decoder_steps if c else None,
             "expansions": c.expansions if c else None,
             "expansions_per_step": round(c.expansions_per_step, 2) if c else None,
-            "padding_share": round(c.padding_share, 3) if c and c.padded_positions else None,
+            "padding_share": round(c.padding_share, 3) if c and (c.padded_positions or c.verified_rows) else None,
             "accepted_per_pass": round(c.accepted_per_pass, 2) if c and c.accepted_tokens else None,
             "model_seconds": round(c.model_seconds / settings["repeats"], 3) if c else None,
             "peak_mb": r["peak"],

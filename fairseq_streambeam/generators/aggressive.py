@@ -166,6 +166,7 @@ class AggressiveGenerator(SequenceGenerator):
         self.counters.decoder_steps += 1
         self.counters.expansions += int(n * m)
         self.counters.verified_rows += n
+        self.counters.block_slots += n + sum(lens)
 
         rejected = torch.zeros(n, m, dtype=torch.bool)
         done_rows, finished_tokens, matched = [], 0, []

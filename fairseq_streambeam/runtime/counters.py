@@ -14,6 +14,7 @@ class Counters:
     encoder_calls: int = 0
     accepted_tokens: int = 0  # aggressive decoding: output tokens accepted, summed over passes
     verified_rows: int = 0  # aggressive decoding: rows verified, summed over passes (= passes at batch 1)
+    block_slots: int = 0  # aggressive decoding: real (non-padding) block slots verified, summed over passes
     backoff_hypotheses: int = 0  # sources that ended with no finished hypothesis and took the backoff stack's
     model_seconds: float = 0.0  # encoder + decoder calls
     total_seconds: float = 0.0  # whole generate calls
@@ -24,6 +25,10 @@ class Counters:
 
     @property
     def padding_share(self) -> float:
+        """Beam modes: share of padding in the source positions the decoder attends to; aggressive
+        decoding: share of padding slots in the verified blocks (rows pay for the widest draft)."""
+        if self.verified_rows:
+            return 1 - self.block_slots / self.expansions if self.expansions else 0.0
         return 1 - self.source_positions / self.padded_positions if self.padded_positions else 0.0
 
     @property
