@@ -66,13 +66,15 @@ def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
     drafter, _ = tiny_drafter
     rows = _bench(tiny_run, tmp_path, "--config", str(REPO / "configs" / "gad_sweep.json"), "--drafter", str(drafter),
                   "--no-plots")
-    rows += _bench(tiny_run, tmp_path / "iad", "--methods", "fairseq-greedy,iad", "--beam", "1", "--batch-size", "4",
-                   "--baseline", "fairseq-greedy", "--exact-ref", "fairseq-greedy", "--no-plots")
+    rows += _bench(tiny_run, tmp_path / "iad", "--methods", "fairseq-greedy,iad,gad-oracle", "--beam", "1",
+                   "--batch-size", "4", "--baseline", "fairseq-greedy", "--exact-ref", "fairseq-greedy", "--no-plots")
     by = {r["method"]: r for r in rows}
-    assert {"gad", "gad[block_size=4]", "gad[gad_beta=3,gad_tau=1.0]", "iad"} <= set(by)
-    for name in ("gad", "gad[block_size=4]", "iad"):  # = greedy; float32 near-ties could flip a token
+    assert {"gad", "gad[block_size=4]", "gad[gad_beta=3,gad_tau=1.0]", "iad", "gad-oracle"} <= set(by)
+    for name in ("gad", "gad[block_size=4]", "iad", "gad-oracle"):  # = greedy; float32 near-ties could flip one
         assert by[name]["identical_to_exact_ref"] >= 0.95, name
         assert by[name]["accepted_per_pass"] >= 1 and 0 <= by[name]["padding_share"] < 1
+    # the oracle drafts greedy's output: whole outputs (at most 8 drafts + 1) are accepted per pass
+    assert by["gad-oracle"]["accepted_per_pass"] > by["iad"]["accepted_per_pass"]
     with pytest.raises(SystemExit):
         _bench(tiny_run, tmp_path / "x", "--methods", "gad", "--beam", "1")  # no --drafter
 

@@ -135,6 +135,7 @@ def main(argv=None):
         raise SystemExit("the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)")
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
     ct2 = _ct2_translator(args, variants, threads)
+    oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0} for v in variants}
     for rep in range(settings["repeats"]):
         for v in variants:
@@ -147,7 +148,7 @@ def main(argv=None):
                     bar.update(n)
                 else:
                     _set_lmbr(task, args, lmbr_file if v.lmbr else None)
-                    hyps, counters = _run_fairseq_task(task, models, v, settings, ts, bar, use_cuda)
+                    hyps, counters = _run_fairseq_task(task, models, v, settings, ts, bar, use_cuda, oracle)
                 dt = time.perf_counter() - t0
             bar.close()
             r = runs[v.name]
@@ -231,11 +232,24 @@ def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:
                               unnormalized=False)
 
 
-def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cuda: bool):
+def _greedy_truth(task, models, variants, settings: dict, ts, use_cuda: bool):
+    """For gad-oracle: greedy outputs keyed by source tokens, decoded once before timing starts."""
+    if not any(v.decoding == "gad-oracle" for v in variants):
+        return None
+    from tqdm import tqdm
+
+    with tqdm(total=len(ts.dataset), disable=True) as bar:
+        hyps, _ = _run_fairseq_task(task, models, Variant("greedy", "greedy", beam=1), settings, ts, bar, use_cuda)
+    return {tuple(ts.dataset.src[i].tolist()): hyps[i] for i in range(len(ts.dataset))}
+
+
+def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cuda: bool, oracle=None):
     """One pass through the task API, exactly as fairseq-generate drives it."""
     from fairseq import utils
 
-    task.cfg.decoding = "fairseq" if v.decoding == "fairseq-greedy" else v.decoding
+    from fairseq_streambeam.drafters.oracle import OracleDrafter
+
+    task.cfg.decoding = {"fairseq-greedy": "fairseq", "gad-oracle": "iad"}.get(v.decoding, v.decoding)
     variable = v.decoding.startswith("var-")
     task.cfg.prune_abs_threshold = v.delta if variable else None
     task.cfg.prune_max_cands = v.max_cands if variable else None
@@ -253,6 +267,8 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
                                   max_tokens=settings["max_tokens"],
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=False)
     gen = task.build_generator(models, _gen_args(v, settings))
+    if v.decoding == "gad-oracle":  # the aggressive generator, its drafter replaced by the oracle
+        gen.drafter = OracleDrafter(oracle, v.block_size or 8)
     counters = getattr(gen, "counters", None)
     if counters is not None:
         counters.trace = []

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 DECODINGS = ("fairseq", "fairseq-greedy", "beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad",
-             "ct2")
+             "gad-oracle", "ct2")
 
 
 @dataclass
@@ -49,6 +49,8 @@ BUILTIN: Dict[str, Variant] = {
     "iad": Variant("iad", "iad", beam=1),
     "gad": Variant("gad", "gad", beam=1),  # needs the run's --drafter
     "gad++": Variant("gad++", "gad", beam=1, gad_beta=3, gad_tau=1.0),
+    # the aggressive generator with a drafter that drafts greedy's own output: the bound of any drafter
+    "gad-oracle": Variant("gad-oracle", "gad-oracle", beam=1, block_size=8),
     "beam+lmbr": Variant("beam+lmbr", "beam", lmbr=True),
     "var-stream+lmbr": Variant("var-stream+lmbr", "var-stream", lmbr=True),
 }

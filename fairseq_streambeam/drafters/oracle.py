@@ -1,0 +1,38 @@
+"""A drafter that knows the answer: it drafts each source's known output (e.g. greedy decoding's),
+so every draft token is accepted. Timing aggressive decoding with it bounds what any drafter could
+reach with the same verifier, block size and hardware (the benchmark's `gad-oracle` method)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+
+class OracleDrafter:
+    def __init__(self, truth: Dict[Tuple[int, ...], List[int]], block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        self.truth = truth  # source tokens (with EOS, no padding) -> output tokens (with EOS)
+        self.k = block_size
+
+    def open(self, srcs, rows: List[int]) -> List[List[int]]:
+        self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+        return [self.truth[tuple(srcs.tokens(i))] for i in rows]
+
+    def propose(self, state: List[List[int]], outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        drafts = [t[len(o):len(o) + min(self.k, c)] for t, o, c in zip(state, outs, caps)]
+        out = torch.full((len(drafts), max((len(d) for d in drafts), default=0)), self.pad, dtype=torch.long)
+        for i, d in enumerate(drafts):
+            out[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        return out.to(self.device), [len(d) for d in drafts]
+
+    def advance(self, state, outs, matched) -> None:
+        pass
+
+    def select(self, state: List[List[int]], keep: List[int]) -> List[List[int]]:
+        return [state[i] for i in keep]
+
+    def merge(self, a: List[List[int]], b: List[List[int]]) -> List[List[int]]:
+        return a + b
