@@ -32,7 +32,7 @@ SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
 _ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accepted_tokens", "verified_rows",
              "block_slots", "backoff_hypotheses",
-             "model_seconds", "total_seconds", "source_positions", "padded_positions")
+             "model_seconds", "draft_seconds", "total_seconds", "source_positions", "padded_positions")
 
 
 def parse_args(argv=None):

@@ -145,6 +145,7 @@ class AggressiveGenerator(SequenceGenerator):
         caps = [r.max_len - len(r.out) for r in g.rows]
         t = time.perf_counter()
         drafts, lens = self.drafter.propose(g.draft, outs, caps)
+        self.counters.draft_seconds += time.perf_counter() - t
         d = drafts.size(1)
         m = 1 + d
         last = torch.tensor([r.out[-1] if r.out else self.bos for r in g.rows], dtype=torch.long)

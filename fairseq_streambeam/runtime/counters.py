@@ -17,6 +17,7 @@ class Counters:
     block_slots: int = 0  # aggressive decoding: real (non-padding) block slots verified, summed over passes
     backoff_hypotheses: int = 0  # sources that ended with no finished hypothesis and took the backoff stack's
     model_seconds: float = 0.0  # encoder + decoder calls
+    draft_seconds: float = 0.0  # aggressive decoding: the drafter's share of model_seconds (proposing blocks)
     total_seconds: float = 0.0  # whole generate calls
     source_positions: int = 0  # real source positions attended by the decoder rows, summed over steps
     padded_positions: int = 0  # the same including padding (rows x cohort source width)
