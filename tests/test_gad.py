@@ -242,3 +242,11 @@ def test_deen_tiny_gad_equals_greedy():
         gen = AggressiveGenerator(models, d, drafter=ModelDrafter(dr.double(), d, 4), budget=Budget(n))
         assert_same_hypos(ref, gen.generate(models, s), msg=f"budget {n}")
         assert gen.counters.accepted_per_pass > 1
+
+
+def test_empty_sources_equal_greedy():
+    """An empty line is its EOS alone: drafted and verified like any source (greedy's output)."""
+    m = random_transformer(D, 95).double()
+    s = make_sample(D, [[], [5, 6, 7], [], [8]])
+    ref = fairseq_generate([m], D, s, beam_size=1, max_len_b=8)
+    assert_same_hypos(ref, gad([m], s, random_drafter(D, 96).double(), n=2, max_len_b=8)[0])
