@@ -9,20 +9,25 @@
 # Defaults train a drafter for ../shared/models/deen-tiny on ../shared/data/train/de-en:
 #   scripts/train_drafter.sh --out work/drafter-deen
 # then decode:  fairseq-generate ... --decoding gad --drafter work/drafter-deen/ckpt/checkpoint_best.pt
-# Options: --model-dir DIR --train PREFIX --valid PREFIX -s L -t L --out DIR --block-size K
+# Options: --model-dir DIR (checkpoint, dictionaries, spm8k.model) --checkpoint NAME --dict-dir DIR
+#   --bpe sentencepiece|none --train PREFIX --valid PREFIX -s L -t L --out DIR --block-size K
 #   --decoder-layers N --minutes M --lines N (first N training lines; 0 = all) --beam B
+#   Anything after `--` goes to fairseq-train (e.g. -- --arch block_drafter --encoder-embed-dim 512).
 # Environment: NPROC (distillation workers, default 2), THREADS (per worker, default 1), PYTHON.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 shared="${STREAMBEAM_SHARED:-$here/../shared}"
 model_dir="$shared/models/deen-tiny"; train="$shared/data/train/de-en/train"; valid="$shared/data/train/de-en/valid"
 s=de; t=en; out=work/drafter; k=8; layers=2; minutes=25; lines=0; beam=5; checkpoint=checkpoint_best.pt
+dict_dir=""; bpe=sentencepiece
 python="${PYTHON:-python}"; nproc="${NPROC:-2}"; threads="${THREADS:-1}"
-usage() { sed -n '2,15p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,17p' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-dir) model_dir="$2"; shift 2;;
     --checkpoint) checkpoint="$2"; shift 2;;
+    --dict-dir) dict_dir="$2"; shift 2;;
+    --bpe) bpe="$2"; shift 2;;
     --train) train="$2"; shift 2;;
     --valid) valid="$2"; shift 2;;
     -s) s="$2"; shift 2;;
@@ -34,11 +39,17 @@ while [ $# -gt 0 ]; do
     --lines) lines="$2"; shift 2;;
     --beam) beam="$2"; shift 2;;
     -h|--help) usage 0;;
+    --) shift; break;;
     *) echo "unknown option $1" >&2; usage 2;;
   esac
 done
-ar="$model_dir/$checkpoint"
-for f in "$ar" "$model_dir/dict.$s.txt" "$model_dir/dict.$t.txt" "$model_dir/spm8k.model" "$train.$s" "$valid.$s"; do
+ar="$model_dir/$checkpoint"; dict_dir="${dict_dir:-$model_dir}"
+spm_args=(); seg_args=(--bpe none)
+if [ "$bpe" = sentencepiece ]; then
+  spm_args=(--bpe sentencepiece --sentencepiece-model "$model_dir/spm8k.model")
+  seg_args=(--bpe sentencepiece --sentencepiece-model "$model_dir/spm8k.model")
+fi
+for f in "$ar" "$dict_dir/dict.$s.txt" "$dict_dir/dict.$t.txt" "$train.$s" "$valid.$s"; do
   [ -e "$f" ] || { echo "missing $f" >&2; exit 2; }
 done
 mkdir -p "$out"
@@ -50,20 +61,20 @@ for split in train valid; do
   if [ "$split" = train ] && [ "$lines" -gt 0 ]; then head -n "$lines" "$src" > "$out/train.head.$s"; src="$out/train.head.$s"; fi
   echo "== distilling $split ($(wc -l < "$src") lines, beam $beam)" >&2
   NPROC="$nproc" PYTHON="$python" "$here/scripts/decode_corpus.sh" --input "$src" --output-dir "$out/distill-$split" \
-    --data "$model_dir" --path "$ar" -s "$s" -t "$t" --bpe sentencepiece --sentencepiece-model "$model_dir/spm8k.model" \
+    --data "$dict_dir" --path "$ar" -s "$s" -t "$t" "${spm_args[@]}" \
     --decoding beam --beam "$beam" --batch-size 64 --shard-lines 10000 --threads "$threads" --quiet
   "$python" -m fairseq_streambeam.drafters.distill --src "$src" --hyp "$out/distill-$split/output.txt" \
-    --sentencepiece-model "$model_dir/spm8k.model" --out-prefix "$out/pairs/$split" -s "$s" -t "$t"
+    "${seg_args[@]}" --out-prefix "$out/pairs/$split" -s "$s" -t "$t"
 done
 
 echo "== binarizing with the AR model's dictionaries" >&2
 rm -rf "$out/bin"
 fairseq-preprocess --source-lang "$s" --target-lang "$t" --trainpref "$out/pairs/train" --validpref "$out/pairs/valid" \
-  --srcdict "$model_dir/dict.$s.txt" --tgtdict "$model_dir/dict.$t.txt" --destdir "$out/bin" --workers "$nproc" >&2
+  --srcdict "$dict_dir/dict.$s.txt" --tgtdict "$dict_dir/dict.$t.txt" --destdir "$out/bin" --workers "$nproc" >&2
 
 echo "== training for at most $minutes minutes" >&2
 share=()
-if cmp -s "$model_dir/dict.$s.txt" "$model_dir/dict.$t.txt"; then share=(--share-all-embeddings); fi
+if cmp -s "$dict_dir/dict.$s.txt" "$dict_dir/dict.$t.txt"; then share=(--share-all-embeddings); fi
 fairseq-train "$out/bin" --user-dir "$here/fairseq_streambeam" -s "$s" -t "$t" \
   --arch block_drafter_small --decoder-layers "$layers" --draft-block-size "$k" "${share[@]}" --init-from "$ar" \
   --criterion block_drafting --glance-ratio 0.5 --blocks-per-sentence 2 --label-smoothing 0.1 \
@@ -71,5 +82,5 @@ fairseq-train "$out/bin" --user-dir "$here/fairseq_streambeam" -s "$s" -t "$t" \
   --warmup-updates 200 --max-tokens 4096 --stop-time-hours "$(awk "BEGIN{print $minutes/60}")" --max-epoch 20 \
   --best-checkpoint-metric draft_accepted --maximize-best-checkpoint-metric --validate-interval-updates 250 \
   --save-interval-updates 250 --keep-interval-updates 1 --no-epoch-checkpoints \
-  --save-dir "$out/ckpt" --cpu --seed 1 --log-format simple --log-interval 50
+  --save-dir "$out/ckpt" --cpu --seed 1 --log-format simple --log-interval 50 "$@"
 echo "drafter: $out/ckpt/checkpoint_best.pt" >&2

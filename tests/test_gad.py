@@ -12,6 +12,7 @@ import torch
 from helpers import (
     BIN,
     N_TEST,
+    REPO,
     assert_same_hypos,
     fairseq_generate,
     load_checkpoints,
@@ -250,3 +251,31 @@ def test_empty_sources_equal_greedy():
     s = make_sample(D, [[], [5, 6, 7], [], [8]])
     ref = fairseq_generate([m], D, s, beam_size=1, max_len_b=8)
     assert_same_hypos(ref, gad([m], s, random_drafter(D, 96).double(), n=2, max_len_b=8)[0])
+
+
+def test_train_drafter_script_end_to_end(tiny_run, tmp_path):
+    """scripts/train_drafter.sh on the tiny model: distil with the AR model, binarize with its
+    dictionaries, train through fairseq-train; the drafter it writes decodes (= greedy)."""
+    data, ckpt = tiny_run
+    raw = data.parent
+    small = ["--arch", "block_drafter", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+             "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+             "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--max-update", "3",
+             "--no-progress-bar"]
+    r = run_cli(["bash", str(REPO / "scripts" / "train_drafter.sh"), "--model-dir", str(ckpt.parent), "--checkpoint",
+                 ckpt.name, "--dict-dir", str(data), "--bpe", "none", "--train", str(raw / "train"), "--valid",
+                 str(raw / "test"), "-s", "src", "-t", "tgt", "--lines", "120", "--beam", "2", "--block-size", "3",
+                 "--minutes", "5", "--out", str(tmp_path / "out"), "--", *small],
+                cwd=str(REPO), env_extra={"PYTHON": str(BIN / "python"), "NPROC": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "120 of 120 pairs written" in r.stdout + r.stderr
+    drafter = tmp_path / "out" / "ckpt" / "checkpoint_best.pt"
+    assert torch.load(drafter, weights_only=False)["cfg"]["model"].draft_block_size == 3
+    base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", "fairseq_streambeam",
+            "--task", "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--cpu", "--batch-size", "16"]
+    got = run_cli(base + ["--decoding", "gad", "--drafter", str(drafter)], cwd=str(REPO))
+    ref = run_cli(base + ["--decoding", "greedy"], cwd=str(REPO))
+    assert got.returncode == 0 and ref.returncode == 0, got.stderr[-2000:]
+    tokens = [sorted(x.split("\t")[0] + x.split("\t")[2] for x in out.stdout.splitlines() if x.startswith("H-"))
+              for out in (got, ref)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == N_TEST
