@@ -108,6 +108,7 @@ class StreamBeamTranslationTask(TranslationTask):
         gen = AggressiveGenerator(
             models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
             budget=self.budget, refill_eps=c.refill_eps, beta=c.gad_beta, tau=c.gad_tau,
+            draft_min_reach=c.draft_min_reach,
         )
         _report_at_exit(gen, name)
         return gen

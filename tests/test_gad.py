@@ -279,3 +279,28 @@ def test_train_drafter_script_end_to_end(tiny_run, tmp_path):
     tokens = [sorted(x.split("\t")[0] + x.split("\t")[2] for x in out.stdout.splitlines() if x.startswith("H-"))
               for out in (got, ref)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == N_TEST
+
+
+def test_draft_budget_caps_by_estimated_reach():
+    from fairseq_streambeam.runtime.draft_budget import DraftBudget
+
+    b = DraftBudget(min_reach=0.3, prior=0.0)
+    assert b.cap(8) == 8  # nothing measured yet: optimistic
+    # position 0 accepted half the time, position 1 a fifth of the times it was reached
+    b.update([4] * 10, [0] * 5 + [1] * 4 + [3])
+    assert abs(b.acceptance(0) - 0.5) < 1e-9 and abs(b.acceptance(1) - 0.2) < 1e-9
+    assert b.cap(8) == 2  # reach: 1, 0.5, 0.1 -> positions 0 and 1 are worth verifying
+    assert b.cap(1) == 1 and DraftBudget(0.0).cap(5) == 5
+    with pytest.raises(ValueError, match="draft-min-reach"):
+        DraftBudget(1.5)
+
+
+def test_adaptive_draft_cap_keeps_greedy_output_with_fewer_slots():
+    m = random_transformer(D, 97, eos_bias=-2.0).double()  # long outputs: many passes to learn from
+    dr = random_drafter(D, 98, k=6).double()
+    s = make_sample(D, random_sentences(D, 12, 99))
+    ref = fairseq_generate([m], D, s, beam_size=1, max_len_b=20)
+    full = gad([m], s, dr, k=6, n=4, max_len_b=20)[1].counters
+    got, gen = gad([m], s, dr, k=6, n=4, max_len_b=20, draft_min_reach=0.5)
+    assert_same_hypos(ref, got)
+    assert gen.counters.expansions < full.expansions  # a random drafter's drafts are rarely reached

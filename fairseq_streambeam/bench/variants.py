@@ -27,6 +27,7 @@ class Variant:
     candidates: Optional[int] = None  # streaming: live-candidate budget (--stream-candidates)
     gad_beta: Optional[int] = None  # gad: verifier top-beta (1 = greedy output; >1 = GAD++)
     gad_tau: Optional[float] = None  # gad++: log-prob tolerance to the verifier's top-1
+    draft_min_reach: Optional[float] = None  # aggressive decoding: adaptive draft cap (--draft-min-reach)
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:

@@ -32,6 +32,7 @@ from ..runtime.cache import (
     reorder_incremental_state,
 )
 from ..runtime.counters import Counters
+from ..runtime.draft_budget import DraftBudget
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.penalties import FairseqPenalties
 from .common import Sources
@@ -68,7 +69,7 @@ class AggressiveGenerator(SequenceGenerator):
                  unk_penalty: float = 0.0, temperature: float = 1.0, eos: Optional[int] = None,
                  symbols_to_strip_from_output=None, drafter: Optional[Drafter] = None,
                  budget: Optional[Budget] = None, refill_eps: float = 1 / 6, compact_slack: int = 16,
-                 beta: int = 1, tau: float = math.inf, **_):
+                 beta: int = 1, tau: float = math.inf, draft_min_reach: float = 0.0, **_):
         super().__init__(models, tgt_dict, beam_size=1, max_len_a=max_len_a, max_len_b=max_len_b, max_len=max_len,
                          min_len=min_len, normalize_scores=normalize_scores, len_penalty=len_penalty,
                          unk_penalty=unk_penalty, temperature=temperature, eos=eos,
@@ -82,6 +83,7 @@ class AggressiveGenerator(SequenceGenerator):
             raise ValueError(f"--gad-tau must be >= 0, got {tau}")
         self.drafter: Drafter = drafter or InputCopyDrafter()
         self.beta, self.tau = beta, tau
+        self.draft_budget = DraftBudget(draft_min_reach)
         self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty,
                                           min_len=min_len, suppress=self.token_indices_to_suppress)
         self.scheduler = Scheduler("min-length", budget or Budget(), refill_eps)
@@ -143,10 +145,13 @@ class AggressiveGenerator(SequenceGenerator):
         outs = [r.out for r in g.rows]
         # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
         caps = [r.max_len - len(r.out) for r in g.rows]
+        worth = self.draft_budget.cap(max(caps))
+        caps = [min(c, worth) for c in caps]
         t = time.perf_counter()
         drafts, lens = self.drafter.propose(g.draft, outs, caps)
         self.counters.draft_seconds += time.perf_counter() - t
-        d = drafts.size(1)
+        d = max(lens, default=0)
+        drafts = drafts[:, :d]  # a drafter may draft more than the caps allow: those slots are not verified
         m = 1 + d
         last = torch.tensor([r.out[-1] if r.out else self.bos for r in g.rows], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
@@ -188,6 +193,7 @@ class AggressiveGenerator(SequenceGenerator):
                 results[r.window_row] = [self._hypo(r, dev)]
                 finished_tokens += srcs.lengths[r.window_row]
         self.drafter.advance(g.draft, outs, matched)
+        self.draft_budget.update(lens, matched)
         prev = cached_length(self.model.models[0].decoder, g.states[0]) - m
         masked = torch.cat([torch.zeros(n, prev, dtype=torch.bool), rejected], 1).to(dev)
         for mdl, st in zip(self.model.models, g.states):
