@@ -53,7 +53,10 @@ class ModelDrafter:
         return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, enc)
 
     def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
-        n, k = len(g.pending), self.k
+        n = len(g.pending)
+        # mask slots beyond every row's cap would draft tokens nobody verifies (length limits, the
+        # adaptive draft cap): fewer mask slots, at least one so the pending tokens are always fed
+        k = max(1, min(self.k, max(caps, default=self.k)))
         dev = next(self.model.parameters()).device
         a = max(len(p) for p in g.pending)
         head = torch.full((n, a), self.pad, dtype=torch.long)

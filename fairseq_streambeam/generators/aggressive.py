@@ -142,7 +142,7 @@ class AggressiveGenerator(SequenceGenerator):
         """One draft + verification pass over every row of `g`. Returns source tokens of finished rows."""
         dev = srcs.net_input["src_tokens"].device
         n = len(g.rows)
-        outs = [r.out for r in g.rows]
+        outs = [r.out for r in g.rows]  # the rows' own lists: advance() below sees them extended
         # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
         caps = [r.max_len - len(r.out) for r in g.rows]
         worth = self.draft_budget.cap(max(caps))
