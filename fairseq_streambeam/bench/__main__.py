@@ -261,7 +261,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.stream_window = settings["stream_window"]
     task.cfg.block_size = v.block_size or 0
     task.cfg.stream_candidates = v.candidates
-    task.cfg.draft_min_reach = v.draft_min_reach or 0.0
+    task.cfg.draft_min_reach = v.draft_min_reach  # None: the task's per-decoding default
     gad = v.decoding == "gad"
     task.cfg.drafter = settings.get("drafter") if gad else None
     task.cfg.gad_beta = (v.gad_beta or 1) if gad else 1
