@@ -113,6 +113,24 @@ def test_drafter_realigns_on_a_unique_ngram():
         InputCopyDrafter(block_size=-1)
 
 
+def test_batched_rows_draft_from_a_guessed_edit():
+    """After a bifurcation a batched row drafts from where a substitution (or deletion) would
+    resume; a lone row drafts nothing (it would pay for the slots); a guess that fails at once is
+    not repeated."""
+    dr = InputCopyDrafter(ngram=2, block_size=3)
+    st = dr.start([5, 6, 7, 8, 9, 10, 2])
+    dr.update(st, dr.draft(st, batched=True), 1, [5, 11])  # 11 replaced 6: resume at 7
+    assert st.pos is None and dr.draft(st) == [] and dr.draft(st, batched=True) == [7, 8, 9]
+    dr.update(st, [7, 8, 9], 2, [5, 11, 7, 8, 12])  # the guess held for 2 tokens, then 12 replaced 9
+    assert dr.draft(st, batched=True) == [10, 2]
+    dr.update(st, [10, 2], 0, [5, 11, 7, 8, 12, 13])  # failed at once: no new guess
+    assert dr.draft(st, batched=True) == []
+    st = dr.start([5, 6, 7, 8, 9, 10, 2])
+    dr.update(st, dr.draft(st, batched=True), 1, [5, 7])  # 6 deleted: resume after 7
+    assert dr.draft(st, batched=True) == [8, 9, 10]
+    assert InputCopyDrafter(guess_edits=False).draft(st, batched=True) == []
+
+
 def test_empty_source_and_refused_inputs():
     m = random_transformer(D, 90)
     s = make_sample(D, [[], [5, 6]])
