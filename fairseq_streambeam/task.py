@@ -42,6 +42,7 @@ class StreamBeamTranslationTask(TranslationTask):
         if cfg.stream_window < 1:
             raise ValueError(f"--stream-window must be >= 1, got {cfg.stream_window}")
         self.budget: Budget | None = None
+        self._drafters: dict = {}  # (path, device, dtype) -> loaded block_drafter
 
     @property
     def streaming(self) -> bool:
@@ -123,10 +124,9 @@ class StreamBeamTranslationTask(TranslationTask):
         benchmark builds a generator per repeat and must not time checkpoint loading)."""
         p = next(like.parameters())
         key = (path, p.device, p.dtype)
-        cache = self.__dict__.setdefault("_drafters", {})
-        if key not in cache:
-            cache[key] = load_drafter(path, self, like=like)
-        return cache[key]
+        if key not in self._drafters:
+            self._drafters[key] = load_drafter(path, self, like=like)
+        return self._drafters[key]
 
     def _scorers(self, n_models: int) -> list:
         """Per-step scorers, in order: LMBR posteriors (Iglesias et al. 2018 defaults), then token
