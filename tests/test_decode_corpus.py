@@ -99,3 +99,19 @@ def test_changed_shard_size_is_not_mixed_up(corpus, tmp_path):
 def test_bad_shard_size():
     with pytest.raises(ValueError, match="shard-lines"):
         shard_ranges(10, 0)
+
+
+def test_gad_corpus_equals_greedy(corpus, tiny_drafter, tmp_path):
+    """--decoding gad with a drafter writes greedy's outputs (bad lines included) and counts passes."""
+    args, n = corpus
+    i = args.index("--decoding")
+    base = args[:i] + args[i + 4:]  # without "--decoding var-stream --beam 3"
+    drafter, _ = tiny_drafter
+    assert decode_main([*base, "--decoding", "greedy", "--output-dir", str(tmp_path / "greedy")]) == 0
+    assert decode_main([*base, "--decoding", "gad", "--drafter", str(drafter),
+                        "--output-dir", str(tmp_path / "gad")]) == 0
+    greedy = (tmp_path / "greedy" / "output.txt").read_text(encoding="utf-8")
+    assert (tmp_path / "gad" / "output.txt").read_text(encoding="utf-8") == greedy
+    assert greedy.count("\n") == n
+    totals = json.loads((tmp_path / "gad" / "manifest.json").read_text())["totals"]
+    assert totals["verified_rows"] >= n and totals["accepted_tokens"] >= n
