@@ -46,7 +46,6 @@ class ModelDrafter:
         self.pad, self.bos, self.mask = tgt_dict.pad(), tgt_dict.eos(), tgt_dict.unk()
         self.max_pos = _max_target_positions(model)
         self.compact_slack = compact_slack
-        self.passes = 0
 
     def open(self, srcs, rows: List[int]) -> DraftGroup:
         enc = self.model.encoder.forward_torchscript(srcs.subset_input(rows))
@@ -67,14 +66,14 @@ class ModelDrafter:
             pos[i, a:] = g.fed[i] + len(p) + torch.arange(k)
         block_pad = torch.cat([head.eq(self.pad), torch.zeros(n, k, dtype=torch.bool)], 1).to(dev)
         tokens = torch.cat([head, torch.full((n, k), self.mask, dtype=torch.long)], 1).to(dev)
-        pos = pos.clamp(max=self.max_pos).to(dev)  # slots past the model's positions are never accepted
+        # target positions are 0..max_pos-1; drafts past them are beyond every row's length limit anyway
+        pos = pos.clamp(max=self.max_pos - 1).to(dev)
         enc = g.encoder_out if g.encoder_out is not None else encoder_out_stand_in(self.model, n, dev)[0]
         logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state)
         g.encoder_out = None
         truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
         for i, p in enumerate(g.pending):
             g.fed[i] += len(p)
-        self.passes += 1
         lens = [max(0, min(k, c)) for c in caps]
         return logits.argmax(-1), lens
 
