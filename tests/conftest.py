@@ -3,7 +3,9 @@ import random
 
 import pytest
 import torch
-from helpers import BIN, N_TEST, run_cli
+from helpers import BIN, N_TEST, REPO, run_cli
+
+PLUGIN = str(REPO / "fairseq_streambeam")  # --user-dir, whatever the working directory
 
 # Benchmarks and tests set threads explicitly: oversubscription made fairseq 60x slower here.
 torch.set_num_threads(int(os.environ.get("STREAMBEAM_TEST_THREADS", "2")))
@@ -48,7 +50,7 @@ def tiny_drafter(tiny_run, tmp_path_factory):
     few updates (initialised from the AR checkpoint, with glancing and validation)."""
     data, ckpt = tiny_run
     save = tmp_path_factory.mktemp("drafter")
-    r = run_cli([str(BIN / "fairseq-train"), str(data), "--user-dir", "fairseq_streambeam", "--arch", "block_drafter",
+    r = run_cli([str(BIN / "fairseq-train"), str(data), "--user-dir", PLUGIN, "--arch", "block_drafter",
                  "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
                  "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
                  "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--draft-block-size", "3",

@@ -31,6 +31,7 @@ from fairseq_streambeam.models.block_drafter import training_blocks
 from fairseq_streambeam.runtime.scheduler import Budget
 
 D = make_dict(30)
+PLUGIN = str(REPO / "fairseq_streambeam")  # --user-dir, whatever the working directory
 
 
 def gad(models, sample, drafter, k=3, n=4, **kw):
@@ -167,7 +168,7 @@ def test_train_drafter_with_fairseq_train_and_decode_with_it(tiny_run, tiny_draf
     assert state["cfg"]["model"].init_from is None  # decoding must not need the AR checkpoint's path
 
     def generate(*extra):
-        r = run_cli([str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", "fairseq_streambeam",
+        r = run_cli([str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", PLUGIN,
                      "--task", "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--batch-size", "8",
                      "--cpu", *extra])
         assert r.returncode == 0, r.stderr[-3000:]
@@ -192,7 +193,7 @@ def test_train_drafter_with_fairseq_train_and_decode_with_it(tiny_run, tiny_draf
 
 def test_gad_cli_errors(tiny_run, tmp_path):
     data, ckpt = tiny_run
-    base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", "fairseq_streambeam",
+    base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", PLUGIN,
             "--task", "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--cpu"]
     r = run_cli(base + ["--decoding", "gad"])
     assert r.returncode != 0 and "needs --drafter" in r.stderr
@@ -272,7 +273,7 @@ def test_train_drafter_script_end_to_end(tiny_run, tmp_path):
     assert "120 of 120 pairs written" in r.stdout + r.stderr
     drafter = tmp_path / "out" / "ckpt" / "checkpoint_best.pt"
     assert torch.load(drafter, weights_only=False)["cfg"]["model"].draft_block_size == 3
-    base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", "fairseq_streambeam",
+    base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", PLUGIN,
             "--task", "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--cpu", "--batch-size", "16"]
     got = run_cli(base + ["--decoding", "gad", "--drafter", str(drafter)], cwd=str(REPO))
     ref = run_cli(base + ["--decoding", "greedy"], cwd=str(REPO))
