@@ -306,3 +306,19 @@ def test_adaptive_draft_cap_keeps_greedy_output_with_fewer_slots():
     got, gen = gad([m], s, dr, k=6, n=4, max_len_b=20, draft_min_reach=0.5)
     assert_same_hypos(ref, got)
     assert gen.counters.expansions < full.expansions  # a random drafter's drafts are rarely reached
+
+
+def test_hub_interface_gad(tiny_run, tiny_drafter):
+    """Python users: attach_to_hub(hub, decoding="gad", drafter=...) translates like greedy."""
+    from fairseq.models.transformer import TransformerModel
+
+    from fairseq_streambeam import attach_to_hub
+
+    data, ckpt = tiny_run
+    drafter, _ = tiny_drafter
+    hub = TransformerModel.from_pretrained(str(ckpt.parent), ckpt.name, data_name_or_path=str(data),
+                                           source_lang="src", target_lang="tgt")
+    sents = ["w1 w2 w3", "w4", "w5 w6 w7 w8", "w9 w1", ""]
+    ref = hub.translate(sents, beam=1)
+    attach_to_hub(hub, decoding="gad", drafter=str(drafter))
+    assert hub.translate(sents, beam=1) == ref
