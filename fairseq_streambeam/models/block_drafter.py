@@ -5,8 +5,8 @@ in one parallel pass.
 Decoder input of one row: [BOS y1 .. yt] (causal, exactly as in the AR decoder, so an incremental
 cache of the prefix can be kept) followed by k mask slots that see the whole prefix and each other
 (`runtime.block_step.block_attn_mask`). The mask token is the dictionary's <unk>, so the drafter's
-dictionary stays identical to the verifier's. Weights can start from the AR model (`--init-from`),
-which is what makes CPU training of a useful drafter take minutes rather than hours.
+dictionary stays identical to the verifier's. Weights can start from the AR model (`--init-from`):
+training then starts from its encoder, embeddings and decoder layers instead of from scratch.
 """
 
 from __future__ import annotations
