@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from typing import Any, List, Protocol, Tuple
 
+import torch
 from torch import Tensor
+
+
+def pad_drafts(drafts: List[List[int]], pad: int, device) -> Tuple[Tensor, List[int]]:
+    """Host-side drafts as the [N, d] padded tensor and lengths that `Drafter.propose` returns."""
+    out = torch.full((len(drafts), max((len(d) for d in drafts), default=0)), pad, dtype=torch.long)
+    for i, d in enumerate(drafts):
+        out[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+    return out.to(device), [len(d) for d in drafts]
 
 
 class Drafter(Protocol):

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-import torch
 from torch import Tensor
+
+from .base import pad_drafts
 
 
 @dataclass
@@ -47,11 +48,7 @@ class InputCopyDrafter:
         drafts = [self.draft(st, batched=len(state) > 1)[:cap] for st, cap in zip(state, caps)]
         for st, d in zip(state, drafts):
             st.last = d
-        width = max((len(d) for d in drafts), default=0)
-        out = torch.full((len(drafts), width), self.pad, dtype=torch.long)
-        for i, d in enumerate(drafts):
-            out[i, :len(d)] = torch.tensor(d, dtype=torch.long)
-        return out.to(self.device), [len(d) for d in drafts]
+        return pad_drafts(drafts, self.pad, self.device)
 
     def advance(self, state: List[CopyState], outs: List[List[int]], matched: List[int]) -> None:
         for st, j, out in zip(state, matched, outs):

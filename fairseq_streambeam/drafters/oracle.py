@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-import torch
 from torch import Tensor
+
+from .base import pad_drafts
 
 
 class OracleDrafter:
@@ -23,10 +24,7 @@ class OracleDrafter:
 
     def propose(self, state: List[List[int]], outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
         drafts = [t[len(o):len(o) + min(self.k, c)] for t, o, c in zip(state, outs, caps)]
-        out = torch.full((len(drafts), max((len(d) for d in drafts), default=0)), self.pad, dtype=torch.long)
-        for i, d in enumerate(drafts):
-            out[i, :len(d)] = torch.tensor(d, dtype=torch.long)
-        return out.to(self.device), [len(d) for d in drafts]
+        return pad_drafts(drafts, self.pad, self.device)
 
     def advance(self, state, outs, matched) -> None:
         pass
