@@ -47,9 +47,10 @@ class _Task:
 
 
 def random_transformer(d: Dictionary, seed: int, layers: int = 2, dim: int = 32, peaky: float = 2.0,
-                       eos_bias: float = 4.0) -> TransformerModel:
+                       eos_bias: float = 4.0, **options) -> TransformerModel:
     """A tiny random-weight fairseq transformer. `peaky` scales the output embeddings so the
-    distributions are far from uniform, as in trained models; `eos_bias` makes EOS likelier."""
+    distributions are far from uniform, as in trained models; `eos_bias` makes EOS likelier;
+    `options` are further fairseq transformer arguments (e.g. decoder_normalize_before=True)."""
     torch.manual_seed(seed)
     args = argparse.Namespace(
         encoder_layers=layers, decoder_layers=layers, encoder_embed_dim=dim, decoder_embed_dim=dim,
@@ -61,6 +62,8 @@ def random_transformer(d: Dictionary, seed: int, layers: int = 2, dim: int = 32,
     args.encoder_layers = args.decoder_layers = layers
     args.encoder_embed_dim = args.decoder_embed_dim = dim
     args.encoder_ffn_embed_dim = args.decoder_ffn_embed_dim = 2 * dim
+    for name, value in options.items():
+        setattr(args, name, value)
     model = TransformerModel.build_model(args, _Task(d))
     old = model.decoder.output_projection
     proj = torch.nn.Linear(old.in_features, old.out_features, bias=True)

@@ -18,6 +18,8 @@ import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
+from .lean_layer import lean_layers, supports_lean
+
 IncState = Dict[str, Dict[str, Optional[Tensor]]]
 
 
@@ -68,17 +70,21 @@ def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state
         x = x + table[positions]
     if decoder.layernorm_embedding is not None:
         x = decoder.layernorm_embedding(x)
-    x = decoder.dropout_module(x).transpose(0, 1)
+    x = decoder.dropout_module(x)
 
     prev = 0 if state is None else cached_length(decoder, state)
     mask = block_attn_mask(prev, m, tail, x.dtype, x.device)
     enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) else None
     enc_mask = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
-    for layer in decoder.layers:
-        x, _, _ = layer(x, enc, enc_mask, state, self_attn_mask=mask, self_attn_padding_mask=block_pad)
+    if all(supports_lean(layer) for layer in decoder.layers):
+        x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad)  # same math, batch-major
+    else:
+        x = x.transpose(0, 1)
+        for layer in decoder.layers:
+            x, _, _ = layer(x, enc, enc_mask, state, self_attn_mask=mask, self_attn_padding_mask=block_pad)
+        x = x.transpose(0, 1)
     if decoder.layer_norm is not None:
         x = decoder.layer_norm(x)
-    x = x.transpose(0, 1)
     if logits_for_tail:
         x = x[:, m - tail:]
     if decoder.project_out_dim is not None:

@@ -1,0 +1,94 @@
+"""runtime.lean_layer computes what fairseq's decoder layers compute, on fairseq's cache layout:
+block logits and cache buffers equal fairseq's path (float64) over a sequence of cached blocks
+with padding, rolled-back slots, a bidirectional tail, dropped rows and compaction; layers it
+does not implement fall back to fairseq's forward (and aggressive decoding stays exact)."""
+
+import pytest
+import torch
+from helpers import (
+    assert_same_hypos,
+    fairseq_generate,
+    make_dict,
+    make_sample,
+    random_sentences,
+    random_transformer,
+)
+
+from fairseq_streambeam import Budget
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+from fairseq_streambeam.runtime import block_step
+from fairseq_streambeam.runtime.block_step import compact, forward_block, mask_slots
+from fairseq_streambeam.runtime.cache import encoder_out_stand_in, reorder_incremental_state
+from fairseq_streambeam.runtime.lean_layer import supports_lean
+
+D = make_dict(30)
+
+
+def _blocks(model, sample, lean: bool, monkeypatch):
+    """Logits of three cached blocks (the last with a bidirectional tail) and the final cache."""
+    monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
+    dec = model.decoder
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    n = sample["net_input"]["src_tokens"].size(0)
+    g = torch.Generator().manual_seed(0)
+    state: dict = {}
+    outs = []
+    length = torch.zeros(n, dtype=torch.long)
+    for i, (m, tail) in enumerate([(4, 0), (3, 0), (5, 2)]):
+        tokens = torch.randint(D.nspecial, len(D), (n, m), generator=g)
+        pad = torch.zeros(n, m, dtype=torch.bool)
+        pad[0, m - 1] = True  # a row whose block is one slot shorter
+        steps = length.unsqueeze(1) + torch.arange(m)
+        e = enc if i == 0 else encoder_out_stand_in(model, n, tokens.device)[0]
+        outs.append(forward_block(dec, tokens, steps, e, state, pad, tail=tail))
+        if i == 0:  # roll back the last two slots of row 1, as a rejected draft
+            masked = torch.zeros(n, m, dtype=torch.bool)
+            masked[1, m - 2:] = True
+            mask_slots(dec, state, masked)
+        if i == 1:  # row 2 leaves, then compaction drops the rolled-back slots
+            keep = torch.tensor([0, 1, 3])
+            reorder_incremental_state(dec, state, keep)
+            compact(dec, state)
+            n, length = 3, length[keep]
+        length = length + m
+    return outs, state
+
+
+@pytest.mark.parametrize("options", [{}, {"decoder_normalize_before": True}])
+def test_lean_blocks_equal_fairseq_layers(options, monkeypatch):
+    model = random_transformer(D, 7, **options).double()
+    assert all(supports_lean(layer) for layer in model.decoder.layers)
+    sample = make_sample(D, random_sentences(D, 4, 8, min_len=3, max_len=9))
+    ref, ref_state = _blocks(model, sample, False, monkeypatch)
+    got, got_state = _blocks(model, sample, True, monkeypatch)
+    for a, b in zip(ref, got):
+        real = torch.isfinite(a)
+        assert torch.equal(real, torch.isfinite(b))
+        assert torch.allclose(a[real], b[real], atol=1e-10)
+    assert ref_state.keys() == got_state.keys()
+    for key in ref_state:
+        for name, a in ref_state[key].items():
+            b = got_state[key][name]
+            if name == "prev_key_padding_mask":
+                assert torch.equal(a.bool(), b.bool()), (key, name)
+            else:
+                assert torch.allclose(a, b, atol=1e-10), (key, name)
+
+
+def test_unsupported_layers_fall_back_to_fairseq():
+    assert not supports_lean(random_transformer(D, 1, scale_attn=True).decoder.layers[0])
+    assert not supports_lean(random_transformer(D, 1, scale_heads=True).decoder.layers[0])
+    assert not supports_lean(random_transformer(D, 1).train().decoder.layers[0])
+    retained = random_transformer(D, 1, dropout=0.1)
+    retained.decoder.layers[0].dropout_module.apply_during_inference = True  # fairseq --retain-dropout
+    assert not supports_lean(retained.decoder.layers[0])
+
+
+@pytest.mark.parametrize("options", [{"scale_attn": True}, {"decoder_normalize_before": True}])
+def test_iad_equals_greedy_on_either_path(options):
+    m = random_transformer(D, 11, eos_bias=2.0, **options).double()
+    s = make_sample(D, random_sentences(D, 8, 12, max_len=12))
+    kw = dict(max_len_b=10, min_len=2)
+    ref = fairseq_generate([m], D, s, beam_size=1, **kw)
+    got = AggressiveGenerator([m], D, budget=Budget(3), **kw).generate([m], s)
+    assert_same_hypos(ref, got)
