@@ -114,3 +114,34 @@ def test_reproduce_script_offline(tiny_run, tmp_path):
     assert [row["method"] for row in doc["rows"]] == ["greedy", "beam", "var-batch", "var-stream"]
     assert doc["settings"]["repeats"] == 2 and doc["settings"]["max_tokens"] == 1000
     assert all(row["seconds_std"] >= 0 for row in doc["rows"])
+
+
+def test_corpus_order_batches_consecutive_sentences(tiny_run, tmp_path):
+    """--corpus-order: each batch holds consecutive sentences (fairseq sorts by length first); the
+    outputs do not depend on the batching."""
+    import argparse
+
+    import torch
+    from fairseq.data import LanguagePairDataset
+    from fairseq.tasks import FairseqTask
+    from helpers import make_dict
+
+    from fairseq_streambeam.bench.data import CorpusOrder
+
+    d = make_dict(20)
+    src = [torch.tensor([5] * n + [d.eos()]) for n in [7, 1, 5, 3, 9, 2, 4]]
+    ds = LanguagePairDataset(src, [len(s) for s in src], d)
+    task = FairseqTask(argparse.Namespace())
+
+    def batches(dataset):
+        itr = task.get_batch_iterator(dataset, max_sentences=3, disable_iterator_cache=True)
+        return [set(b["id"].tolist()) for b in itr.next_epoch_itr(shuffle=False)]
+
+    assert batches(CorpusOrder(ds)) == [{0, 1, 2}, {3, 4, 5}, {6}]
+    assert batches(ds) != batches(CorpusOrder(ds))  # fairseq's length-sorted batches differ
+
+    rows = _bench(tiny_run, tmp_path, "--methods", "fairseq-greedy,greedy,iad", "--beam", "1", "--batch-size", "4",
+                  "--corpus-order", "--baseline", "fairseq-greedy", "--exact-ref", "fairseq-greedy", "--no-plots")
+    assert rows[1]["identical_to_exact_ref"] == 1.0
+    assert rows[2]["identical_to_exact_ref"] >= 0.95  # float32 near-ties could flip one (tiny model)
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["corpus_order"] is True

@@ -23,7 +23,8 @@ from .variants import BUILTIN, Variant, load_config, parse_methods
 
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
                 stream_window=32, repeats=1, threads=1, limit=0, finalize="auto",
-                methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam", drafter=None)
+                methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam", drafter=None,
+                corpus_order=False)
 
 
 def parse_args(argv=None):
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--stream-window", type=int)
     p.add_argument("--refill-eps", type=float)
     p.add_argument("--finalize", choices=["auto", "fairseq", "sticky"])
+    p.add_argument("--corpus-order", action="store_const", const=True,
+                   help="batch sentences in corpus order (fairseq methods; default: fairseq's length-sorted batches)")
     p.add_argument("--limit", type=int, help="decode an evenly spaced subset of about this many sentences")
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, help="torch/OMP threads, set explicitly (default 1): oversubscribed "
@@ -128,8 +131,9 @@ def main(argv=None):
     else:
         ts = bench_data.from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
     n = len(ts.dataset)
-    print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']}, "
-          f"{settings['repeats']} repeat(s): {', '.join(v.name for v in variants)}", flush=True)
+    order = "corpus order" if settings["corpus_order"] else "length-sorted"
+    print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']} "
+          f"({order}), {settings['repeats']} repeat(s): {', '.join(v.name for v in variants)}", flush=True)
 
     if any(v.decoding == "gad" for v in variants) and not settings["drafter"]:
         raise SystemExit("the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)")
@@ -266,7 +270,10 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.drafter = settings.get("drafter") if gad else None
     task.cfg.gad_beta = (v.gad_beta or 1) if gad else 1
     task.cfg.gad_tau = v.gad_tau if gad and v.gad_tau is not None else math.inf
-    itr = task.get_batch_iterator(ts.dataset, max_sentences=v.batch_size or settings["batch_size"],
+    from .data import CorpusOrder
+
+    dataset = CorpusOrder(ts.dataset) if settings["corpus_order"] else ts.dataset
+    itr = task.get_batch_iterator(dataset, max_sentences=v.batch_size or settings["batch_size"],
                                   max_tokens=settings["max_tokens"],
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=False)
     gen = task.build_generator(models, _gen_args(v, settings))
@@ -308,13 +315,19 @@ def _ct2_translator(args, variants, threads):
 
 
 def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict):
-    """Same beam, threads and fp32; min_decoding_length=0 as fairseq (EOS allowed after 1 token)."""
+    """Same beam, threads and fp32; min_decoding_length=0 as fairseq (EOS allowed after 1 token).
+    In corpus order each call gets one batch of consecutive sentences (CTranslate2 may sort within it)."""
     bs = v.batch_size or settings["batch_size"]
     budget = dict(max_batch_size=bs, batch_type="examples") if bs else dict(
         max_batch_size=settings["max_tokens"], batch_type="tokens")
-    res = translator.translate_batch(ts.src_symbols, beam_size=v.beam or settings["beam"], **budget,
-                                     length_penalty=settings["lenpen"], max_decoding_length=settings["max_len_b"],
-                                     min_decoding_length=0)
+    if settings["corpus_order"] and not bs:
+        raise SystemExit("--corpus-order with ct2 needs --batch-size")
+    step = bs if settings["corpus_order"] else max(1, len(ts.src_symbols))
+    res = []
+    for a in range(0, len(ts.src_symbols), step):
+        res += translator.translate_batch(ts.src_symbols[a:a + step], beam_size=v.beam or settings["beam"], **budget,
+                                          length_penalty=settings["lenpen"], max_decoding_length=settings["max_len_b"],
+                                          min_decoding_length=0)
     hyps = {}
     for i, r in enumerate(res):
         hyps[i] = [tgt_dict.index(tok) for tok in r.hypotheses[0]] + [tgt_dict.eos()]

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
+import numpy as np
 import torch
-from fairseq.data import LanguagePairDataset
+from fairseq.data import BaseWrapperDataset, LanguagePairDataset
 
 from ..textio import TextCodec
 
@@ -18,6 +19,14 @@ class TestSet:
     decode: Callable[[List[int]], str]  # hypothesis token ids -> detokenized text
     src_symbols: List[List[str]]  # source tokens as dictionary symbols (for CTranslate2)
     orig_ids: List[int]  # sentence id in the full test set of each dataset index (for LMBR posteriors)
+
+
+class CorpusOrder(BaseWrapperDataset):
+    """A dataset batched in corpus order: fairseq sorts sentences by length before batching, which
+    hides the long tails of unsorted batches (sentences arriving as they come, e.g. a service)."""
+
+    def ordered_indices(self):
+        return np.arange(len(self), dtype=np.int64)
 
 
 def _every(n: int, limit: int) -> List[int]:
