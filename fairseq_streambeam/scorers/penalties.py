@@ -36,7 +36,7 @@ class FairseqPenalties:
         (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
         None when past every prefix. Rows at different steps (aggressive decoding's blocks) pass
         `before_min_len` [N] instead of relying on `step`."""
-        lprobs[lprobs != lprobs] = -math.inf
+        lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)  # fairseq's lprobs[lprobs != lprobs]; no host sync
         lprobs[:, self.pad] = -math.inf
         if self.unk_penalty:
             lprobs[:, self.unk] -= self.unk_penalty
