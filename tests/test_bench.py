@@ -80,7 +80,7 @@ def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
 
 
 def test_configs_and_sweeps_expand():
-    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep"):
+    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep", "iad_bounds"):
         settings, variants = load_config(str(REPO / "configs" / f"{name}.json"))
         assert variants and not any(k.startswith("_") for k in settings)
     _, variants = load_config(str(REPO / "configs" / "table5_sweep.json"))

@@ -92,3 +92,16 @@ def test_iad_equals_greedy_on_either_path(options):
     ref = fairseq_generate([m], D, s, beam_size=1, **kw)
     got = AggressiveGenerator([m], D, budget=Budget(3), **kw).generate([m], s)
     assert_same_hypos(ref, got)
+
+
+def test_no_encoder_output_means_no_cross_attention_on_both_paths(monkeypatch):
+    model = random_transformer(D, 3).double()
+    tokens = torch.randint(D.nspecial, len(D), (2, 3), generator=torch.Generator().manual_seed(1))
+    steps = torch.arange(3).expand(2, 3)
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    empty = {"encoder_out": [], "encoder_padding_mask": []}
+    got = []
+    for lean in (False, True):
+        monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
+        got.append(forward_block(model.decoder, tokens, steps, empty, {}, pad))
+    assert torch.allclose(got[0], got[1], atol=1e-10)

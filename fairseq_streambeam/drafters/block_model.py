@@ -67,9 +67,11 @@ class ModelDrafter:
         block_pad = torch.cat([head.eq(self.pad), torch.zeros(n, k, dtype=torch.bool)], 1).to(dev)
         tokens = torch.cat([head, torch.full((n, k), self.mask, dtype=torch.long)], 1).to(dev)
         # target positions are 0..max_pos-1; drafts past them are beyond every row's length limit anyway
-        pos = pos.clamp(max=self.max_pos - 1).to(dev)
+        pos = pos.clamp(max=self.max_pos - 1)
+        top = int(pos.max())
+        pos = pos.to(dev)
         enc = g.encoder_out if g.encoder_out is not None else encoder_out_stand_in(self.model, n, dev)[0]
-        logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state)
+        logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state, max_position=top)
         g.encoder_out = None
         truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
         for i, p in enumerate(g.pending):

@@ -159,10 +159,11 @@ class AggressiveGenerator(SequenceGenerator):
         block_pad = torch.cat([torch.zeros(n, 1, dtype=torch.bool), draft_pad], 1).to(dev)
         block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1).masked_fill(block_pad, self.pad)
         out_len = torch.tensor([len(r.out) for r in g.rows], dtype=torch.long)
-        steps = (out_len.unsqueeze(1) + torch.arange(m)).to(dev)
+        steps_h = out_len.unsqueeze(1) + torch.arange(m)
+        steps = steps_h.to(dev)
         enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
 
-        lprobs = self._verify_lprobs(block, steps, block_pad, enc, g)
+        lprobs = self._verify_lprobs(block, steps, block_pad, enc, g, int(steps_h.max()))
         g.encoder_outs = None
         lprobs = self._penalties(lprobs, steps, torch.tensor([r.max_len for r in g.rows], device=dev))
         packed = self._accept(lprobs, block, block_pad)
@@ -238,11 +239,11 @@ class AggressiveGenerator(SequenceGenerator):
             accepted.to(dtype).unsqueeze(1).expand(n, m),
         ])
 
-    def _verify_lprobs(self, block, steps, block_pad, enc, g: Group) -> Tensor:
+    def _verify_lprobs(self, block, steps, block_pad, enc, g: Group, max_step: int) -> Tensor:
         """Log-probs [N, m, V] at every block position, averaged over the ensemble like fairseq."""
         outs = []
         for i, mdl in enumerate(self.model.models):
-            logits = forward_block(mdl.decoder, block, steps, enc[i], g.states[i], block_pad)
+            logits = forward_block(mdl.decoder, block, steps, enc[i], g.states[i], block_pad, max_position=max_step)
             logits = logits.div_(self.temperature) if self.temperature != 1.0 else logits
             outs.append(mdl.get_normalized_probs((logits, None), log_probs=True))
         if len(outs) == 1:

@@ -54,10 +54,11 @@ class BlockDrafterModel(TransformerModel):
         return model
 
     def draft_logits(self, encoder_out, tokens: Tensor, positions: Tensor, block_pad: Tensor, k: int,
-                     state=None) -> Tensor:
-        """Logits [N, k, V] at the last k slots (the mask slots) of the block `tokens` [N, m]."""
+                     state=None, max_position: Optional[int] = None) -> Tensor:
+        """Logits [N, k, V] at the last k slots (the mask slots) of the block `tokens` [N, m]
+        (`max_position`: see runtime.block_step.forward_block)."""
         return forward_block(self.decoder, tokens, positions, encoder_out, state, block_pad, tail=k,
-                             logits_for_tail=True)
+                             logits_for_tail=True, max_position=max_position)
 
 
 def dictionary_sha(d) -> str:

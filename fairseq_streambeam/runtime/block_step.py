@@ -53,19 +53,22 @@ def block_attn_mask(prev: int, m: int, tail: int, dtype, device) -> Tensor:
 
 
 def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state: Optional[IncState],
-                  block_pad: Tensor, tail: int = 0, logits_for_tail: bool = False) -> Tensor:
+                  block_pad: Tensor, tail: int = 0, logits_for_tail: bool = False,
+                  max_position: Optional[int] = None) -> Tensor:
     """Logits [N, m, V] for block `tokens` [N, m] at target positions `positions` [N, m]; appends
     the block to the cache in `state` (None: no cache, as in training). `block_pad` [N, m] marks
     padding inside the block; the last `tail` slots attend bidirectionally (block_attn_mask).
     `logits_for_tail`: project only the tail slots (logits [N, tail, V]; the vocabulary projection
-    is the largest matrix product of a small model)."""
+    is the largest matrix product of a small model). `max_position`: the largest of `positions`
+    when the caller knows it on the host (saves a device-to-host sync per call on GPUs)."""
     m = tokens.size(1)
     x = decoder.embed_scale * decoder.embed_tokens(tokens)
     if decoder.quant_noise is not None:
         x = decoder.quant_noise(x)
     if decoder.project_in_dim is not None:
         x = decoder.project_in_dim(x)
-    table = _position_table(decoder, int(positions.max()) + 1, tokens.device)
+    top = int(positions.max()) if max_position is None else max_position
+    table = _position_table(decoder, top + 1, tokens.device)
     if table is not None:
         x = x + table[positions]
     if decoder.layernorm_embedding is not None:

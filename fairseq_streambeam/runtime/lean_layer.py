@@ -71,29 +71,38 @@ def supports_lean(layer) -> bool:
 def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
                 attn_mask: Tensor, pad_mask: Tensor) -> Tensor:
     """The decoder layers on block `x` [N, m, C] (batch-major). `enc` [S, N, C] and `enc_mask`
-    [N, S] are only read while the cross-attention keys are not cached yet; `attn_mask` [m, L] is
-    additive over cache + block slots, `pad_mask` [N, m] marks padding in the block.
+    [N, S] are read while the cross-attention keys are not cached yet (`enc` None: no encoder
+    output, so no cross-attention, as in fairseq); `attn_mask` [m, L] is additive over cache +
+    block slots; `pad_mask` [N, m] marks padding in the block.
 
     Every layer's cache holds the same key padding mask (all cache utilities update them alike),
     so the additive attention masks are built once per block, from the first layer's cache."""
-    n, m = x.shape[:2]
+    n = x.size(0)
     first = layers[0]
     buf = first.self_attn._get_input_buffer(state) if state is not None else {}
-    prev_mask = buf.get("prev_key_padding_mask") if buf.get("prev_key") is not None else None
-    prev_len = 0 if buf.get("prev_key") is None else buf["prev_key"].size(2)
-    if prev_len and prev_mask is None:
-        prev_mask = torch.zeros(n, prev_len, dtype=torch.bool, device=x.device)
-    key_mask = pad_mask if prev_mask is None else torch.cat([prev_mask.to(torch.bool), pad_mask], 1)
-    h = first.self_attn.num_heads
-    self_add = _additive(key_mask, attn_mask, h, x.dtype)
-    cross_add = None
-    if first.encoder_attn is not None:
+    key_mask = pad_mask
+    if buf.get("prev_key") is not None:
+        prev = buf.get("prev_key_padding_mask")
+        if prev is None:
+            prev = torch.zeros(n, buf["prev_key"].size(2), dtype=torch.bool, device=x.device)
+        key_mask = torch.cat([prev.to(torch.bool), pad_mask], 1)
+    cross_mask = None
+    if first.encoder_attn is not None and enc is not None:
         cbuf = first.encoder_attn._get_input_buffer(state) if state is not None else {}
-        cmask = cbuf.get("prev_key_padding_mask") if cbuf.get("prev_key") is not None else enc_mask
-        if cmask is not None:
-            cross_add = _additive(cmask, None, first.encoder_attn.num_heads, x.dtype)
+        cross_mask = cbuf.get("prev_key_padding_mask") if cbuf.get("prev_key") is not None else enc_mask
+    masks: Dict[tuple, Optional[Tensor]] = {}  # additive masks by (kind, heads): layers may differ in heads
+
+    def additive(kind: str, heads: int) -> Optional[Tensor]:
+        if (kind, heads) not in masks:
+            if kind == "self":
+                masks[kind, heads] = _additive(key_mask, attn_mask, heads, x.dtype)
+            else:
+                masks[kind, heads] = None if cross_mask is None else _additive(cross_mask, None, heads, x.dtype)
+        return masks[kind, heads]
+
     for layer in layers:
-        x = _layer(layer, x, enc, enc_mask, state, key_mask, self_add, cross_add)
+        cross = None if layer.encoder_attn is None else additive("cross", layer.encoder_attn.num_heads)
+        x = _layer(layer, x, enc, enc_mask, state, key_mask, additive("self", layer.self_attn.num_heads), cross)
     return x
 
 
@@ -116,7 +125,7 @@ def _layer(layer, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], 
     x = residual + _self_attention(layer.self_attn, x, state, key_mask, self_add)
     if not pre:
         x = layer.self_attn_layer_norm(x)
-    if layer.encoder_attn is not None:
+    if layer.encoder_attn is not None and enc is not None:  # as fairseq: no encoder output, no cross-attention
         residual = x
         if pre:
             x = layer.encoder_attn_layer_norm(x)
@@ -161,16 +170,15 @@ def _self_attention(mha: MultiheadAttention, x: Tensor, state: Optional[IncState
     return mha.out_proj(_attend(q, k, v, add, n, m))
 
 
-def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor],
+def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Tensor, enc_mask: Optional[Tensor],
                      state: Optional[IncState], add: Optional[Tensor]) -> Tensor:
+    """Cached encoder keys once the first block has stored them (`enc` is then a stand-in)."""
     n, m, _ = x.shape
     h, d = mha.num_heads, mha.head_dim
     buf = mha._get_input_buffer(state) if state is not None else {}
     if buf.get("prev_key") is not None:
         k, v = buf["prev_key"], buf["prev_value"]
     else:
-        if enc is None:
-            raise ValueError("cross-attention keys are neither cached nor computable: no encoder output")
         s = enc.size(0)
         k = mha.k_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()  # [S, N, C] -> [N, H, S, d]
         v = mha.v_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
