@@ -66,7 +66,7 @@ def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
     drafter, _ = tiny_drafter
     rows = _bench(tiny_run, tmp_path, "--config", str(REPO / "configs" / "gad_sweep.json"), "--drafter", str(drafter),
                   "--no-plots")
-    rows += _bench(tiny_run, tmp_path / "iad", "--methods", "fairseq-greedy,iad,gad-oracle", "--beam", "1",
+    rows += _bench(tiny_run, tmp_path / "iad", "--methods", "fairseq-greedy,iad,gad-oracle,no-draft", "--beam", "1",
                    "--batch-size", "4", "--baseline", "fairseq-greedy", "--exact-ref", "fairseq-greedy", "--no-plots")
     by = {r["method"]: r for r in rows}
     assert {"gad", "gad[block_size=4]", "gad[gad_beta=3,gad_tau=1.0]", "iad", "gad-oracle"} <= set(by)
@@ -75,6 +75,8 @@ def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
         assert by[name]["accepted_per_pass"] >= 1 and 0 <= by[name]["padding_share"] < 1
     # the oracle drafts greedy's output: whole outputs (at most 8 drafts + 1) are accepted per pass
     assert by["gad-oracle"]["accepted_per_pass"] > by["iad"]["accepted_per_pass"]
+    # without drafts the generator decodes greedily, one token per row and pass
+    assert by["no-draft"]["identical_to_exact_ref"] >= 0.95 and by["no-draft"]["accepted_per_pass"] == 1.0
     with pytest.raises(SystemExit):
         _bench(tiny_run, tmp_path / "x", "--methods", "gad", "--beam", "1")  # no --drafter
 

@@ -249,13 +249,17 @@ def _greedy_truth(task, models, variants, settings: dict, ts, use_cuda: bool):
     return {tuple(ts.dataset.src[i].tolist()): hyps[i] for i in range(len(ts.dataset))}
 
 
+# bench methods that run a task decoding with something replaced (the aggressive ones: the drafter)
+TASK_DECODING = {"fairseq-greedy": "fairseq", "gad-oracle": "iad", "no-draft": "iad"}
+
+
 def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cuda: bool, oracle=None):
     """One pass through the task API, exactly as fairseq-generate drives it."""
     from fairseq import utils
 
-    from fairseq_streambeam.drafters.oracle import OracleDrafter
+    from fairseq_streambeam.drafters.oracle import NoDrafter, OracleDrafter
 
-    task.cfg.decoding = {"fairseq-greedy": "fairseq", "gad-oracle": "iad"}.get(v.decoding, v.decoding)
+    task.cfg.decoding = TASK_DECODING.get(v.decoding, v.decoding)
     variable = v.decoding.startswith("var-")
     task.cfg.prune_abs_threshold = v.delta if variable else None
     task.cfg.prune_max_cands = v.max_cands if variable else None
@@ -279,6 +283,8 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     gen = task.build_generator(models, _gen_args(v, settings))
     if v.decoding == "gad-oracle":  # the aggressive generator, its drafter replaced by the oracle
         gen.drafter = OracleDrafter(oracle, v.block_size or 8)
+    if v.decoding == "no-draft":
+        gen.drafter = NoDrafter()
     counters = getattr(gen, "counters", None)
     if counters is not None:
         counters.trace = []

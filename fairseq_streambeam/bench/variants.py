@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 DECODINGS = ("fairseq", "fairseq-greedy", "beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad",
-             "gad-oracle", "ct2")
+             "gad-oracle", "no-draft", "ct2")
 
 
 @dataclass
@@ -52,6 +52,8 @@ BUILTIN: Dict[str, Variant] = {
     "gad++": Variant("gad++", "gad", beam=1, gad_beta=3, gad_tau=1.0),
     # the aggressive generator with a drafter that drafts greedy's own output: the bound of any drafter
     "gad-oracle": Variant("gad-oracle", "gad-oracle", beam=1, block_size=8),
+    # the same generator drafting nothing (one token per pass): its own speed as a greedy decoder
+    "no-draft": Variant("no-draft", "no-draft", beam=1),
     "beam+lmbr": Variant("beam+lmbr", "beam", lmbr=True),
     "var-stream+lmbr": Variant("var-stream+lmbr", "var-stream", lmbr=True),
 }

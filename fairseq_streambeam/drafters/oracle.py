@@ -1,6 +1,8 @@
-"""A drafter that knows the answer: it drafts each source's known output (e.g. greedy decoding's),
-so every draft token is accepted. Timing aggressive decoding with it bounds what any drafter could
-reach with the same verifier, block size and hardware (the benchmark's `gad-oracle` method)."""
+"""The two bounds of drafting, for the benchmark. `OracleDrafter` knows the answer: it drafts each
+source's known output (e.g. greedy decoding's), so every draft token is accepted; timing aggressive
+decoding with it bounds what any drafter could reach with the same verifier, block size and
+hardware (method `gad-oracle`). `NoDrafter` drafts nothing, so the generator decodes one token per
+pass: its own cost as a greedy decoder, without drafting (method `no-draft`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,23 @@ from typing import Dict, List, Tuple
 from torch import Tensor
 
 from .base import pad_drafts
+
+
+class NoDrafter:
+    def open(self, srcs, rows: List[int]) -> None:
+        self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+
+    def propose(self, state, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        return pad_drafts([[] for _ in outs], self.pad, self.device)
+
+    def advance(self, state, outs, matched) -> None:
+        pass
+
+    def select(self, state, keep: List[int]) -> None:
+        return None
+
+    def merge(self, a, b) -> None:
+        return None
 
 
 class OracleDrafter:
