@@ -156,3 +156,27 @@ def test_fairseq_generate_iad(tiny_run):
     same = sum(hyp[k] == want[k] for k in want)
     assert same >= N_TEST - 2, f"float32 agreement with greedy {same}/{N_TEST}"  # float64 tests are exact
     assert "tokens accepted per row and pass" in got.stdout + got.stderr
+
+
+def test_encoder_keys_of_departed_long_sources_are_trimmed(monkeypatch):
+    """Streaming groups pad cached encoder keys to their longest source; when the rows holding
+    the long sources leave, those columns are dropped (and the output is still greedy's)."""
+    from fairseq_streambeam.generators import aggressive
+    from fairseq_streambeam.runtime.block_step import trim_encoder_slots
+
+    widths = []
+
+    def spy(decoder, state):
+        buf = decoder.layers[0].encoder_attn._get_input_buffer(state)
+        before = buf["prev_key"].size(2)
+        trim_encoder_slots(decoder, state)
+        widths.append((before, decoder.layers[0].encoder_attn._get_input_buffer(state)["prev_key"].size(2)))
+
+    monkeypatch.setattr(aggressive, "trim_encoder_slots", spy)
+    m = random_transformer(D, 93, eos_bias=2.0).double()
+    sents = [random_sentences(D, 1, 94 + i, min_len=n, max_len=n)[0] for i, n in enumerate([14, 2, 13, 3, 2, 12, 2, 3])]
+    s = make_sample(D, sents)
+    ref = fairseq_generate([m], D, s, beam_size=1, max_len_b=8)
+    got, _ = iad([m], s, max_len_b=8, budget=Budget(3), refill_eps=0.5)
+    assert_same_hypos(ref, got)
+    assert any(after < before for before, after in widths), widths

@@ -24,7 +24,14 @@ from torch import Tensor
 
 from ..drafters.base import Drafter
 from ..drafters.input_copy import InputCopyDrafter
-from ..runtime.block_step import cached_length, check_block_decoder, compact, forward_block, mask_slots
+from ..runtime.block_step import (
+    cached_length,
+    check_block_decoder,
+    compact,
+    forward_block,
+    mask_slots,
+    trim_encoder_slots,
+)
 from ..runtime.cache import (
     cat_incremental_states,
     check_vocabulary,
@@ -175,20 +182,20 @@ class AggressiveGenerator(SequenceGenerator):
         self.counters.verified_rows += n
         self.counters.block_slots += n + sum(lens)
 
-        rejected = torch.zeros(n, m, dtype=torch.bool)
-        done_rows, finished_tokens, matched = [], 0, []
+        matched = acc_h[:, 0].astype(int).tolist()
+        rejected = torch.arange(m).unsqueeze(0) > torch.tensor(matched).unsqueeze(1)  # slots after the model's token
+        draft_l, best_l, dlp_l, lp_l = draft_h.tolist(), best_h.tolist(), dlp_h.tolist(), lp_h.tolist()
+        done_rows, finished_tokens = [], 0
         for i, r in enumerate(g.rows):
-            j = int(acc_h[i, 0])
-            new = [int(x) for x in draft_h[i, :j]] + [int(best_h[i, j])]
-            new_lp = [float(x) for x in dlp_h[i, :j]] + [float(lp_h[i, j])]
+            j = matched[i]
+            new = [int(x) for x in draft_l[i][:j]] + [int(best_l[i][j])]
+            new_lp = dlp_l[i][:j] + [lp_l[i][j]]
             if self.eos in new:
                 k = new.index(self.eos) + 1
                 new, new_lp = new[:k], new_lp[:k]
             r.out += new
             r.lp += new_lp
-            matched.append(j)
             self.counters.accepted_tokens += len(new)
-            rejected[i, j + 1:] = True
             if r.out[-1] == self.eos:
                 done_rows.append(i)
                 results[r.window_row] = [self._hypo(r, dev)]
@@ -205,6 +212,7 @@ class AggressiveGenerator(SequenceGenerator):
             idx = torch.tensor(keep, dtype=torch.long, device=dev)
             for mdl, st in zip(self.model.models, g.states):
                 reorder_incremental_state(mdl.decoder, st, idx)
+                trim_encoder_slots(mdl.decoder, st)
             g.draft = self.drafter.select(g.draft, keep)
             g.rows = [g.rows[i] for i in keep]
         if g.rows:

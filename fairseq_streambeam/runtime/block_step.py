@@ -99,6 +99,30 @@ def _self_attn_modules(decoder) -> List[MultiheadAttention]:
     return [layer.self_attn for layer in decoder.layers]
 
 
+def _encoder_attn_modules(decoder) -> List[MultiheadAttention]:
+    return [layer.encoder_attn for layer in decoder.layers if layer.encoder_attn is not None]
+
+
+def trim_encoder_slots(decoder, state: IncState) -> None:
+    """Drop cached encoder-attention key columns that every row masks. Merged groups pad these
+    keys to their longest source, and rows leaving do not shrink them, so a streaming group would
+    attend over the longest source it ever held. One host sync: call it when rows leave."""
+    mods = _encoder_attn_modules(decoder)
+    buf0 = mods[0]._get_input_buffer(state) if mods else None
+    if not buf0 or buf0.get("prev_key") is None or buf0.get("prev_key_padding_mask") is None:
+        return
+    used = ~buf0["prev_key_padding_mask"].bool().all(0)  # every layer caches the same source mask
+    if bool(used.all()):
+        return
+    cols = used.nonzero().squeeze(1)
+    for mha in mods:
+        buf = mha._get_input_buffer(state)
+        buf["prev_key"] = buf["prev_key"].index_select(2, cols)  # type: ignore[union-attr]
+        buf["prev_value"] = buf["prev_value"].index_select(2, cols)  # type: ignore[union-attr]
+        buf["prev_key_padding_mask"] = buf["prev_key_padding_mask"].index_select(1, cols)  # type: ignore[union-attr]
+        mha._set_input_buffer(state, buf)
+
+
 def cached_length(decoder, state: IncState) -> int:
     """Physical length of the self-attention cache (0 before the first block)."""
     buf = _self_attn_modules(decoder)[0]._get_input_buffer(state)
