@@ -14,6 +14,8 @@ from .base import pad_drafts
 
 
 class NoDrafter:
+    """Drafts nothing: every pass verifies only the row's last token (greedy decoding, one token per pass)."""
+
     def open(self, srcs, rows: List[int]) -> None:
         self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
 
@@ -31,6 +33,8 @@ class NoDrafter:
 
 
 class OracleDrafter:
+    """Drafts the known output, at most `block_size` tokens per pass."""
+
     def __init__(self, truth: Dict[Tuple[int, ...], List[int]], block_size: int):
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
