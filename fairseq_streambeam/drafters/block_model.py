@@ -15,8 +15,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..runtime.block_step import cached_length, compact, trim_encoder_slots, truncate_slots
-from ..runtime.cache import cat_incremental_states, encoder_out_stand_in, reorder_incremental_state
+from ..runtime.block_step import cached_length, compact, keep_rows, truncate_slots
+from ..runtime.cache import cat_incremental_states, encoder_out_stand_in
 
 
 @dataclass
@@ -87,8 +87,7 @@ class ModelDrafter:
 
     def select(self, g: DraftGroup, keep: List[int]) -> DraftGroup:
         dev = next(self.model.parameters()).device
-        reorder_incremental_state(self.model.decoder, g.state, torch.tensor(keep, dtype=torch.long, device=dev))
-        trim_encoder_slots(self.model.decoder, g.state)
+        keep_rows(self.model.decoder, g.state, torch.tensor(keep, dtype=torch.long, device=dev))
         g.rows = [g.rows[i] for i in keep]
         g.pending = [g.pending[i] for i in keep]
         g.fed = [g.fed[i] for i in keep]

@@ -29,14 +29,13 @@ from ..runtime.block_step import (
     check_block_decoder,
     compact,
     forward_block,
+    keep_rows,
     mask_slots,
-    trim_encoder_slots,
 )
 from ..runtime.cache import (
     cat_incremental_states,
     check_vocabulary,
     encoder_out_stand_in,
-    reorder_incremental_state,
 )
 from ..runtime.counters import Counters
 from ..runtime.draft_budget import DraftBudget
@@ -211,8 +210,7 @@ class AggressiveGenerator(SequenceGenerator):
             keep = [i for i in range(n) if i not in done_set]
             idx = torch.tensor(keep, dtype=torch.long, device=dev)
             for mdl, st in zip(self.model.models, g.states):
-                reorder_incremental_state(mdl.decoder, st, idx)
-                trim_encoder_slots(mdl.decoder, st)
+                keep_rows(mdl.decoder, st, idx)
             g.draft = self.drafter.select(g.draft, keep)
             g.rows = [g.rows[i] for i in keep]
         if g.rows:

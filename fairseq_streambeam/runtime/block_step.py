@@ -18,6 +18,7 @@ import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
+from .cache import reorder_incremental_state
 from .lean_layer import lean_layers, supports_lean
 
 IncState = Dict[str, Dict[str, Optional[Tensor]]]
@@ -121,6 +122,13 @@ def trim_encoder_slots(decoder, state: IncState) -> None:
         buf["prev_value"] = buf["prev_value"].index_select(2, cols)  # type: ignore[union-attr]
         buf["prev_key_padding_mask"] = buf["prev_key_padding_mask"].index_select(1, cols)  # type: ignore[union-attr]
         mha._set_input_buffer(state, buf)
+
+
+def keep_rows(decoder, state: IncState, rows: Tensor) -> None:
+    """Keep rows `rows` of a block decoder's cache (rows leaving a streaming group), and the
+    encoder keys that some kept row still uses (`trim_encoder_slots`)."""
+    reorder_incremental_state(decoder, state, rows)
+    trim_encoder_slots(decoder, state)
 
 
 def cached_length(decoder, state: IncState) -> int:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor
 
 IncState = Dict[str, Dict[str, Optional[Tensor]]]
@@ -44,8 +45,6 @@ def _plain_attention(mha: Optional[MultiheadAttention]) -> bool:
 
 
 def _static_support(layer) -> bool:
-    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
-
     base = TransformerDecoderLayerBase
     return (isinstance(layer, base) and type(layer).forward is base.forward
             and type(layer).residual_connection is base.residual_connection
