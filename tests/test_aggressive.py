@@ -1,10 +1,12 @@
 """Invariant 3: IAD == greedy decoding (fairseq --beam 1), token for token, whatever the batch,
 refill, block size and drafts; float64 where batch composition could move a float32 rounding."""
 
+import math
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import (
     BIN,
     N_TEST,
@@ -180,3 +182,57 @@ def test_encoder_keys_of_departed_long_sources_are_trimmed(monkeypatch):
     got, _ = iad([m], s, max_len_b=8, budget=Budget(3), refill_eps=0.5)
     assert_same_hypos(ref, got)
     assert any(after < before for before, after in widths), widths
+
+
+def _nan_log_probs(model, column: int):
+    """Make `model` return NaN log-probs at `column` wherever that token is likelier than token
+    8: some rows of a pass with a NaN and some without, the case fairseq maps to -inf."""
+    normalized = model.get_normalized_probs
+
+    def patched(net_output, log_probs, sample=None):
+        lp = normalized(net_output, log_probs, sample)
+        return lp.masked_fill(F.pad(lp[..., column:column + 1] > lp[..., 8:9], (column, lp.size(-1) - column - 1)),
+                              float("nan"))
+    model.get_normalized_probs = patched  # fairseq's ensemble and the block verifier both call it
+    return model
+
+
+@pytest.mark.parametrize("column", [7, "unk"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_nan_log_probs_are_handled_like_fairseq(column, n):
+    """fairseq turns NaN log-probs into -inf before choosing; top-1 verification skips that pass
+    and redoes a pass only when a NaN reaches a top-1: the output must not change either way."""
+    m = _nan_log_probs(random_transformer(D, 80, eos_bias=1.0).double(), D.unk() if column == "unk" else column)
+    s = make_sample(D, random_sentences(D, 8, 81, max_len=10))
+    kw = dict(max_len_b=9, min_len=2, unk_penalty=0.5)
+    ref = fairseq_generate([m], D, s, beam_size=1, **kw)
+    gen = AggressiveGenerator([m], D, budget=Budget(n), **kw)
+    redone = []
+    fix_rows = gen.penalties.fix_rows
+    gen.penalties.fix_rows = lambda *a: redone.append(1) or fix_rows(*a)
+    assert_same_hypos(ref, gen.generate([m], s))
+    assert redone  # some NaN reached a top-1: the full adjustments ran
+
+
+@pytest.mark.parametrize("kw", [dict(max_len_b=3), dict(max_len_b=4, min_len=3)])
+def test_forced_eos_at_the_length_limit(kw):
+    """Top-1 verification reads forced EOS off the EOS column instead of masking every row at the
+    limit."""
+    m = random_transformer(D, 82, eos_bias=-4.0).double()  # rarely ends by itself
+    s = make_sample(D, random_sentences(D, 6, 83, max_len=8))
+    ref = fairseq_generate([m], D, s, beam_size=1, **kw)
+    for n in (1, 6):
+        assert_same_hypos(ref, iad([m], s, budget=Budget(n), **kw)[0], msg=f"{kw} n={n}")
+
+
+def test_forced_eos_not_allowed_asks_for_the_full_path():
+    """At a slot at the length limit where EOS is not allowed either (a source whose limit is
+    below --min-len), top-1 verification returns NaN so the pass is redone with every adjustment."""
+    gen = AggressiveGenerator([random_transformer(D, 84)], D)
+    lp = torch.log_softmax(torch.randn(1, 3, 30), -1)
+    lp[0, 1, D.eos()] = -math.inf
+    forced = torch.tensor([[False, True, True]])
+    packed = gen._accept(lp, torch.tensor([[5, 6, 7]]), torch.zeros(1, 3, dtype=torch.bool), forced)
+    assert packed[0, 0].tolist()[1:] == [D.eos(), D.eos()]  # forced EOS wherever the limit is reached
+    assert math.isnan(packed[1, 0, 1]) and packed[1, 0, 2] == lp[0, 2, D.eos()]
+    assert packed[1, 0, 0] == lp[0, 0].max()

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
@@ -171,10 +172,21 @@ class AggressiveGenerator(SequenceGenerator):
 
         lprobs = self._verify_lprobs(block, steps, block_pad, enc, g, int(steps_h.max()))
         g.encoder_outs = None
-        lprobs = self._penalties(lprobs, steps, torch.tensor([r.max_len for r in g.rows], device=dev))
-        packed = self._accept(lprobs, block, block_pad)
+        at_max = steps_h >= torch.tensor([r.max_len for r in g.rows]).unsqueeze(1)
+        # top-1 verification first applies only fairseq's column adjustments (a few columns)
+        # and reads forced EOS off the EOS column; the passes over every entry (NaN, the length
+        # limit) are only needed when a NaN reaches a top-1 (FairseqPenalties: same values)
+        top1 = self.beta == 1
+        before_min = (steps < self.min_len).view(-1)
+        self.penalties.fix_columns(lprobs.view(-1, lprobs.size(2)), 0, before_min)
+        if not top1:
+            self.penalties.fix_rows(lprobs.view(-1, lprobs.size(2)), at_max.view(-1).to(dev))
+        packed = self._accept(lprobs, block, block_pad, at_max.to(dev) if top1 else None)
         # the one host sync of the pass (token ids are exact in the float32/64 packing, below 2**24)
         best_h, lp_h, draft_h, dlp_h, acc_h = packed.cpu().numpy()
+        if top1 and np.isnan(lp_h).any():  # a NaN log-prob somewhere, or no allowed token at a forced EOS
+            self.penalties.fix_rows(lprobs.view(-1, lprobs.size(2)), at_max.view(-1).to(dev))
+            best_h, lp_h, draft_h, dlp_h, acc_h = self._accept(lprobs, block, block_pad, None).cpu().numpy()
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.decoder_steps += 1
         self.counters.expansions += int(n * m)
@@ -220,19 +232,28 @@ class AggressiveGenerator(SequenceGenerator):
                     compact(mdl.decoder, st)
         return finished_tokens
 
-    def _accept(self, lprobs: Tensor, block: Tensor, block_pad: Tensor) -> Tensor:
+    def _accept(self, lprobs: Tensor, block: Tensor, block_pad: Tensor,
+                forced_eos: Optional[Tensor] = None) -> Tensor:
         """Verification on the device. Block slot j predicts the token after slot j; draft token
-        j+1 is accepted while every draft token before it was. Returns, packed for one host copy,
-        [5, N, m]: verifier top-1 ids and log-probs, draft ids and their log-probs (last column
-        padding), and the number of accepted draft tokens (broadcast over the last axis)."""
+        j+1 is accepted while every draft token before it was. `forced_eos` [N, m]: slots at the
+        length limit whose log-probs were not masked yet (top-1 only): EOS is their top-1, and a
+        NaN log-prob is returned where EOS is not allowed either, so the caller redoes the pass
+        with every adjustment. Returns, packed for one host copy, [5, N, m]: verifier top-1 ids
+        and log-probs, draft ids and their log-probs (last column padding), and the number of
+        accepted draft tokens (broadcast over the last axis)."""
         n, m, _ = lprobs.shape
-        best_lp, best = lprobs.max(dim=2)
+        best_lp, best = lprobs.max(dim=2)  # NaN propagates into best_lp
+        if forced_eos is not None:
+            eos_lp = lprobs[:, :, self.eos]
+            best = best.masked_fill(forced_eos, self.eos)
+            best_lp = torch.where(forced_eos, eos_lp.masked_fill(eos_lp == -math.inf, math.nan), best_lp)
         draft = block[:, 1:]
-        pred = lprobs[:, :-1]
-        draft_lp = pred.gather(2, draft.unsqueeze(2)).squeeze(2)
         if self.beta == 1:
             ok = draft.eq(best[:, :-1])  # strict: exactly greedy decoding
+            draft_lp = best_lp[:, :-1]  # an accepted draft token is the top-1
         else:
+            pred = lprobs[:, :-1]
+            draft_lp = pred.gather(2, draft.unsqueeze(2)).squeeze(2)
             top = pred.topk(min(self.beta, pred.size(2)), dim=2).indices
             ok = top.eq(draft.unsqueeze(2)).any(2) & (draft_lp >= best_lp[:, :-1] - self.tau)
         ok &= ~block_pad[:, 1:]
@@ -255,13 +276,6 @@ class AggressiveGenerator(SequenceGenerator):
         if len(outs) == 1:
             return outs[0]
         return torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
-
-    def _penalties(self, lprobs: Tensor, steps: Tensor, max_len: Tensor) -> Tensor:
-        """fairseq's greedy adjustments, each block position at its own step (FairseqPenalties)."""
-        n, m, v = lprobs.shape
-        flat = self.penalties(lprobs.view(n * m, v), 0, (steps >= max_len.unsqueeze(1)).view(-1), None,
-                              before_min_len=(steps < self.min_len).view(-1))
-        return flat.view(n, m, v)
 
     def _hypo(self, r: Row, dev) -> Dict[str, Tensor]:
         pos = torch.tensor(r.lp, dtype=torch.float32)

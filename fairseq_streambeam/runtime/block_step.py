@@ -126,7 +126,11 @@ def trim_encoder_slots(decoder, state: IncState) -> None:
 
 def keep_rows(decoder, state: IncState, rows: Tensor) -> None:
     """Keep rows `rows` of a block decoder's cache (rows leaving a streaming group), and the
-    encoder keys that some kept row still uses (`trim_encoder_slots`)."""
+    encoder keys that some kept row still uses (`trim_encoder_slots`). Keeping no row empties the
+    cache (the last row of a group left: nothing to reorder)."""
+    if rows.numel() == 0:
+        state.clear()
+        return
     reorder_incremental_state(decoder, state, rows)
     trim_encoder_slots(decoder, state)
 

@@ -36,14 +36,8 @@ class FairseqPenalties:
         (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
         None when past every prefix. Rows at different steps (aggressive decoding's blocks) pass
         `before_min_len` [N] instead of relying on `step`."""
-        lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)  # fairseq's lprobs[lprobs != lprobs]; no host sync
-        lprobs[:, self.pad] = -math.inf
-        if self.unk_penalty:
-            lprobs[:, self.unk] -= self.unk_penalty
-        if at_max_len is not None:
-            eos_col = lprobs[:, self.eos].clone()
-            lprobs.masked_fill_(at_max_len.unsqueeze(1), -math.inf)
-            lprobs[:, self.eos] = eos_col
+        self.fix_rows(lprobs, at_max_len)
+        self.fix_columns(lprobs, step, before_min_len, free=prefix is None)
         if prefix is not None:
             forced = prefix != self.pad
             if at_max_len is not None:
@@ -51,14 +45,39 @@ class FairseqPenalties:
             chosen = lprobs.gather(1, prefix.unsqueeze(1))
             masked = torch.full_like(lprobs, -math.inf).scatter_(1, prefix.unsqueeze(1), chosen)
             lprobs = torch.where(forced.unsqueeze(1), masked, lprobs)
-        else:
-            if before_min_len is not None:
-                lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(before_min_len, -math.inf)
-            elif step < self.min_len:
-                lprobs[:, self.eos] = -math.inf
-            if self.suppress is not None:
-                lprobs[:, self.suppress] = -math.inf
         return lprobs
+
+    # fairseq's order is NaN, pad, unk, max length, then prefix or (min length, suppressed). Every
+    # adjustment but the unk penalty only writes -inf (or keeps the EOS column), and -inf - penalty
+    # is -inf, so the row-wide and the column adjustments give the same values in either order:
+    # a top-1 caller may apply the cheap column writes first and the row-wide passes only if needed.
+
+    def fix_rows(self, lprobs: Tensor, at_max_len: Optional[Tensor]) -> None:
+        """The adjustments that read and write every entry: NaN -> -inf (fairseq's
+        lprobs[lprobs != lprobs], without a host sync) and, at rows `at_max_len`, -inf everywhere
+        but the EOS column (forced EOS at the maximum length)."""
+        lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
+        if at_max_len is not None:
+            eos_col = lprobs[:, self.eos].clone()
+            lprobs.masked_fill_(at_max_len.unsqueeze(1), -math.inf)
+            lprobs[:, self.eos] = eos_col
+
+    def fix_columns(self, lprobs: Tensor, step: int, before_min_len: Optional[Tensor] = None,
+                    free: bool = True) -> None:
+        """The adjustments that write a few columns: never pad, the unk penalty and, for rows not
+        forced to a prefix token (`free`), no EOS before the minimum length and never a suppressed
+        token."""
+        lprobs[:, self.pad] = -math.inf
+        if self.unk_penalty:
+            lprobs[:, self.unk] -= self.unk_penalty
+        if not free:
+            return
+        if before_min_len is not None:
+            lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(before_min_len, -math.inf)
+        elif step < self.min_len:
+            lprobs[:, self.eos] = -math.inf
+        if self.suppress is not None:
+            lprobs[:, self.suppress] = -math.inf
 
 
 def source_max_len(src_len_with_eos: int, max_len_a: float, max_len_b: int, model_max: int) -> int:
