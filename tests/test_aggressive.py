@@ -232,7 +232,8 @@ def test_forced_eos_not_allowed_asks_for_the_full_path():
     lp = torch.log_softmax(torch.randn(1, 3, 30), -1)
     lp[0, 1, D.eos()] = -math.inf
     forced = torch.tensor([[False, True, True]])
-    packed = gen._accept(lp, torch.tensor([[5, 6, 7]]), torch.zeros(1, 3, dtype=torch.bool), forced)
+    packed = gen._accept(lp.view(3, 30), torch.tensor([[5, 6, 7]]), torch.zeros(1, 3, dtype=torch.bool),
+                         forced.view(3))
     assert packed[0, 0].tolist()[1:] == [D.eos(), D.eos()]  # forced EOS wherever the limit is reached
     assert math.isnan(packed[1, 0, 1]) and packed[1, 0, 2] == lp[0, 2, D.eos()]
     assert packed[1, 0, 0] == lp[0, 0].max()

@@ -98,6 +98,7 @@ def test_gad_plus_plus_acceptance_rule():
     lp[0, 1, 6] = -0.1
     lp[0, 2, 8], lp[0, 2, 7] = -0.2, -2.2
     block = torch.tensor([[2, 5, 6, 7]])
+    lp = lp.view(4, 30)  # [N*m, V]
     packed = gen._accept(lp, block, torch.zeros(1, 4, dtype=torch.bool))
     assert int(packed[4, 0, 0]) == 2
     assert packed[0, 0].tolist()[:3] == [9, 6, 8]

@@ -19,13 +19,14 @@ from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime import block_step
 from fairseq_streambeam.runtime.block_step import compact, forward_block, mask_slots
 from fairseq_streambeam.runtime.cache import encoder_out_stand_in, reorder_incremental_state
-from fairseq_streambeam.runtime.lean_layer import supports_lean
+from fairseq_streambeam.runtime.lean_layer import Slots, supports_lean
 
 D = make_dict(30)
 
 
-def _blocks(model, sample, lean: bool, monkeypatch):
-    """Logits of three cached blocks (the last with a bidirectional tail) and the final cache."""
+def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False):
+    """Logits of three cached blocks (the last with a bidirectional tail) and the final cache;
+    `packed`: computing only the real slots (logits [T, V], listed with the padding mask)."""
     monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
     dec = model.decoder
     enc = model.encoder.forward_torchscript(sample["net_input"])
@@ -40,7 +41,8 @@ def _blocks(model, sample, lean: bool, monkeypatch):
         pad[0, m - 1] = True  # a row whose block is one slot shorter
         steps = length.unsqueeze(1) + torch.arange(m)
         e = enc if i == 0 else encoder_out_stand_in(model, n, tokens.device)[0]
-        outs.append(forward_block(dec, tokens, steps, e, state, pad, tail=tail))
+        slots = Slots((~pad).view(-1).nonzero().squeeze(1), n, m) if packed else None
+        outs.append((forward_block(dec, tokens, steps, e, state, pad, tail=tail, slots=slots), pad))
         if i == 0:  # roll back the last two slots of row 1, as a rejected draft
             masked = torch.zeros(n, m, dtype=torch.bool)
             masked[1, m - 2:] = True
@@ -61,7 +63,7 @@ def test_lean_blocks_equal_fairseq_layers(options, monkeypatch):
     sample = make_sample(D, random_sentences(D, 4, 8, min_len=3, max_len=9))
     ref, ref_state = _blocks(model, sample, False, monkeypatch)
     got, got_state = _blocks(model, sample, True, monkeypatch)
-    for a, b in zip(ref, got):
+    for (a, _), (b, _) in zip(ref, got):
         real = torch.isfinite(a)
         assert torch.equal(real, torch.isfinite(b))
         assert torch.allclose(a[real], b[real], atol=1e-10)
@@ -73,6 +75,27 @@ def test_lean_blocks_equal_fairseq_layers(options, monkeypatch):
                 assert torch.equal(a.bool(), b.bool()), (key, name)
             else:
                 assert torch.allclose(a, b, atol=1e-10), (key, name)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_packed_real_slots_equal_the_padded_block(lean, monkeypatch):
+    """Computing only a block's real slots gives their logits, and the cache's unmasked slots,
+    of the whole padded block; on fairseq's layers too (packed after the layers)."""
+    model = random_transformer(D, 9).double()
+    sample = make_sample(D, random_sentences(D, 4, 10, min_len=3, max_len=9))
+    ref, ref_state = _blocks(model, sample, lean, monkeypatch)
+    got, got_state = _blocks(model, sample, lean, monkeypatch, packed=True)
+    for (a, pad), (b, _) in zip(ref, got):
+        assert b.shape == (int((~pad).sum()), len(D))
+        assert torch.allclose(a[~pad], b, atol=1e-10)
+    for key in ref_state:
+        mask = ref_state[key].get("prev_key_padding_mask")
+        assert torch.equal(mask.bool(), got_state[key]["prev_key_padding_mask"].bool())
+        for name in ("prev_key", "prev_value"):
+            a, b = ref_state[key][name], got_state[key][name]
+            if a.size(2) == mask.size(1):  # masked slots (padding) are never read: packing leaves them zero
+                a, b = a.masked_fill(mask.bool()[:, None, :, None], 0), b.masked_fill(mask.bool()[:, None, :, None], 0)
+            assert torch.allclose(a, b, atol=1e-10), (key, name)
 
 
 def test_unsupported_layers_fall_back_to_fairseq():

@@ -40,6 +40,7 @@ from ..runtime.cache import (
 )
 from ..runtime.counters import Counters
 from ..runtime.draft_budget import DraftBudget
+from ..runtime.lean_layer import Slots
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.penalties import FairseqPenalties
 from .common import Sources
@@ -162,31 +163,20 @@ class AggressiveGenerator(SequenceGenerator):
         m = 1 + d
         last = torch.tensor([r.out[-1] if r.out else self.bos for r in g.rows], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
-        draft_pad = torch.arange(d).unsqueeze(0) >= lens_t.unsqueeze(1)
-        block_pad = torch.cat([torch.zeros(n, 1, dtype=torch.bool), draft_pad], 1).to(dev)
+        pad_h = torch.cat([torch.zeros(n, 1, dtype=torch.bool), torch.arange(d).unsqueeze(0) >= lens_t.unsqueeze(1)], 1)
+        block_pad = pad_h.to(dev)
         block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1).masked_fill(block_pad, self.pad)
         out_len = torch.tensor([len(r.out) for r in g.rows], dtype=torch.long)
         steps_h = out_len.unsqueeze(1) + torch.arange(m)
-        steps = steps_h.to(dev)
-        enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
-
-        lprobs = self._verify_lprobs(block, steps, block_pad, enc, g, int(steps_h.max()))
-        g.encoder_outs = None
         at_max = steps_h >= torch.tensor([r.max_len for r in g.rows]).unsqueeze(1)
-        # top-1 verification first applies only fairseq's column adjustments (a few columns)
-        # and reads forced EOS off the EOS column; the passes over every entry (NaN, the length
-        # limit) are only needed when a NaN reaches a top-1 (FairseqPenalties: same values)
-        top1 = self.beta == 1
-        before_min = (steps < self.min_len).view(-1)
-        self.penalties.fix_columns(lprobs.view(-1, lprobs.size(2)), 0, before_min)
-        if not top1:
-            self.penalties.fix_rows(lprobs.view(-1, lprobs.size(2)), at_max.view(-1).to(dev))
-        packed = self._accept(lprobs, block, block_pad, at_max.to(dev) if top1 else None)
-        # the one host sync of the pass (token ids are exact in the float32/64 packing, below 2**24)
-        best_h, lp_h, draft_h, dlp_h, acc_h = packed.cpu().numpy()
-        if top1 and np.isnan(lp_h).any():  # a NaN log-prob somewhere, or no allowed token at a forced EOS
-            self.penalties.fix_rows(lprobs.view(-1, lprobs.size(2)), at_max.view(-1).to(dev))
-            best_h, lp_h, draft_h, dlp_h, acc_h = self._accept(lprobs, block, block_pad, None).cpu().numpy()
+        enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
+        # top-1 verification computes only the real slots when the block has padding (rows with
+        # shorter drafts); GAD++ reads the top-beta of every slot
+        slots = None
+        if self.beta == 1 and bool(pad_h.any()):
+            slots = Slots((~pad_h).view(-1).nonzero().squeeze(1).to(dev), n, m)
+        best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, steps_h, at_max, slots)
+        g.encoder_outs = None
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.decoder_steps += 1
         self.counters.expansions += int(n * m)
@@ -232,27 +222,55 @@ class AggressiveGenerator(SequenceGenerator):
                     compact(mdl.decoder, st)
         return finished_tokens
 
-    def _accept(self, lprobs: Tensor, block: Tensor, block_pad: Tensor,
-                forced_eos: Optional[Tensor] = None) -> Tensor:
-        """Verification on the device. Block slot j predicts the token after slot j; draft token
-        j+1 is accepted while every draft token before it was. `forced_eos` [N, m]: slots at the
-        length limit whose log-probs were not masked yet (top-1 only): EOS is their top-1, and a
-        NaN log-prob is returned where EOS is not allowed either, so the caller redoes the pass
-        with every adjustment. Returns, packed for one host copy, [5, N, m]: verifier top-1 ids
-        and log-probs, draft ids and their log-probs (last column padding), and the number of
+    def _verify(self, g: Group, enc, block: Tensor, block_pad: Tensor, steps_h: Tensor, at_max: Tensor,
+                slots: Optional[Slots]):
+        """Verify block [N, m] (host `steps_h` and `at_max` [N, m]); returns, on the host, the
+        arrays of `_accept`. Top-1 verification first applies only fairseq's column adjustments
+        (a few columns) and reads forced EOS off the EOS column; the passes over every entry (NaN,
+        the length limit) are only made when a NaN reaches a top-1 (FairseqPenalties: same values)."""
+        dev = block.device
+        top1 = self.beta == 1
+        steps_d = steps_h.to(dev)
+        steps, at_max = steps_d.view(-1), at_max.to(dev).view(-1)
+        if slots is not None:
+            steps, at_max = steps.index_select(0, slots.index), at_max.index_select(0, slots.index)
+        lprobs = self._verify_lprobs(block, steps_d, block_pad, enc, g, int(steps_h.max()), slots)
+        self.penalties.fix_columns(lprobs, 0, steps < self.min_len)
+        if not top1:
+            self.penalties.fix_rows(lprobs, at_max)
+        # the one host sync of the pass (token ids are exact in the float32/64 packing, below 2**24)
+        out = self._accept(lprobs, block, block_pad, at_max if top1 else None, slots).cpu().numpy()
+        if top1 and np.isnan(out[1]).any():  # a NaN log-prob somewhere, or no allowed token at a forced EOS
+            self.penalties.fix_rows(lprobs, at_max)
+            out = self._accept(lprobs, block, block_pad, None, slots).cpu().numpy()
+        return out
+
+    def _accept(self, lprobs: Tensor, block: Tensor, block_pad: Tensor, forced_eos: Optional[Tensor] = None,
+                slots: Optional[Slots] = None) -> Tensor:
+        """Verification on the device, from log-probs [S, V] of the block's N*m slots (or of its
+        real `slots` only). Block slot j predicts the token after slot j; draft token j+1 is
+        accepted while every draft token before it was. `forced_eos` [S]: slots at the length
+        limit whose log-probs were not masked yet (top-1 only): EOS is their top-1, and a NaN
+        log-prob is returned where EOS is not allowed either, so the caller redoes the pass with
+        every adjustment. Returns, packed for one host copy, [5, N, m]: verifier top-1 ids and
+        log-probs, draft ids and their log-probs (last column padding), and the number of
         accepted draft tokens (broadcast over the last axis)."""
-        n, m, _ = lprobs.shape
-        best_lp, best = lprobs.max(dim=2)  # NaN propagates into best_lp
+        n, m = block.shape
+        best_lp, best = lprobs.max(dim=1)  # NaN propagates into best_lp
         if forced_eos is not None:
-            eos_lp = lprobs[:, :, self.eos]
+            eos_lp = lprobs[:, self.eos]
             best = best.masked_fill(forced_eos, self.eos)
             best_lp = torch.where(forced_eos, eos_lp.masked_fill(eos_lp == -math.inf, math.nan), best_lp)
+        if slots is not None:  # padding slots: never read (accepting stops at the first padding)
+            best = best.new_full((n * m,), self.pad).index_copy_(0, slots.index, best)
+            best_lp = best_lp.new_zeros(n * m).index_copy_(0, slots.index, best_lp)
+        best, best_lp = best.view(n, m), best_lp.view(n, m)
         draft = block[:, 1:]
         if self.beta == 1:
             ok = draft.eq(best[:, :-1])  # strict: exactly greedy decoding
             draft_lp = best_lp[:, :-1]  # an accepted draft token is the top-1
         else:
-            pred = lprobs[:, :-1]
+            pred = lprobs.view(n, m, -1)[:, :-1]
             draft_lp = pred.gather(2, draft.unsqueeze(2)).squeeze(2)
             top = pred.topk(min(self.beta, pred.size(2)), dim=2).indices
             ok = top.eq(draft.unsqueeze(2)).any(2) & (draft_lp >= best_lp[:, :-1] - self.tau)
@@ -266,16 +284,17 @@ class AggressiveGenerator(SequenceGenerator):
             accepted.to(dtype).unsqueeze(1).expand(n, m),
         ])
 
-    def _verify_lprobs(self, block, steps, block_pad, enc, g: Group, max_step: int) -> Tensor:
-        """Log-probs [N, m, V] at every block position, averaged over the ensemble like fairseq."""
+    def _verify_lprobs(self, block, steps, block_pad, enc, g: Group, max_step: int, slots: Optional[Slots]) -> Tensor:
+        """Log-probs [N*m, V] at every block slot (or [T, V] at the real `slots`), averaged over
+        the ensemble like fairseq."""
         outs = []
         for i, mdl in enumerate(self.model.models):
-            logits = forward_block(mdl.decoder, block, steps, enc[i], g.states[i], block_pad, max_position=max_step)
+            logits = forward_block(mdl.decoder, block, steps, enc[i], g.states[i], block_pad, max_position=max_step,
+                                   slots=slots)
             logits = logits.div_(self.temperature) if self.temperature != 1.0 else logits
             outs.append(mdl.get_normalized_probs((logits, None), log_probs=True))
-        if len(outs) == 1:
-            return outs[0]
-        return torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
+        lprobs = outs[0] if len(outs) == 1 else torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
+        return lprobs.view(-1, lprobs.size(-1))
 
     def _hypo(self, r: Row, dev) -> Dict[str, Tensor]:
         pos = torch.tensor(r.lp, dtype=torch.float32)

@@ -19,7 +19,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
 from .cache import reorder_incremental_state
-from .lean_layer import lean_layers, supports_lean
+from .lean_layer import Slots, lean_layers, supports_lean
 
 IncState = Dict[str, Dict[str, Optional[Tensor]]]
 
@@ -55,13 +55,15 @@ def block_attn_mask(prev: int, m: int, tail: int, dtype, device) -> Tensor:
 
 def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state: Optional[IncState],
                   block_pad: Tensor, tail: int = 0, logits_for_tail: bool = False,
-                  max_position: Optional[int] = None) -> Tensor:
+                  max_position: Optional[int] = None, slots: Optional[Slots] = None) -> Tensor:
     """Logits [N, m, V] for block `tokens` [N, m] at target positions `positions` [N, m]; appends
     the block to the cache in `state` (None: no cache, as in training). `block_pad` [N, m] marks
     padding inside the block; the last `tail` slots attend bidirectionally (block_attn_mask).
     `logits_for_tail`: project only the tail slots (logits [N, tail, V]; the vocabulary projection
     is the largest matrix product of a small model). `max_position`: the largest of `positions`
-    when the caller knows it on the host (saves a device-to-host sync per call on GPUs)."""
+    when the caller knows it on the host (saves a device-to-host sync per call on GPUs).
+    `slots` (runtime.lean_layer.Slots, the real slots of a padded block): compute only those and
+    return their logits packed, [T, V] (not with `logits_for_tail`)."""
     m = tokens.size(1)
     x = decoder.embed_scale * decoder.embed_tokens(tokens)
     if decoder.quant_noise is not None:
@@ -80,13 +82,17 @@ def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state
     mask = block_attn_mask(prev, m, tail, x.dtype, x.device)
     enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) else None
     enc_mask = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
+    if slots is not None and logits_for_tail:
+        raise ValueError("forward_block: slots and logits_for_tail do not combine")
     if all(supports_lean(layer) for layer in decoder.layers):
-        x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad)  # same math, batch-major
+        x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots)  # same math, batch-major
     else:
         x = x.transpose(0, 1)
         for layer in decoder.layers:
             x, _, _ = layer(x, enc, enc_mask, state, self_attn_mask=mask, self_attn_padding_mask=block_pad)
         x = x.transpose(0, 1)
+        if slots is not None:
+            x = slots.pack(x)
     if decoder.layer_norm is not None:
         x = decoder.layer_norm(x)
     if logits_for_tail:

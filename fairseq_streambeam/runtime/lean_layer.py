@@ -67,12 +67,31 @@ def supports_lean(layer) -> bool:
     return not dropout
 
 
+class Slots:
+    """The real (non-padding) slots of a block [N, m], as flat indices `index` [T] into N*m: the
+    per-slot products (projections, feed-forward, layer norms) run on these T rows only, and
+    attention sees them scattered back into the block, with zeros at padding (masked keys)."""
+
+    def __init__(self, index: Tensor, n: int, m: int):
+        self.index, self.n, self.m = index, n, m
+
+    def pack(self, x: Tensor) -> Tensor:
+        """[N, m, C] -> [T, C]."""
+        return x.reshape(self.n * self.m, x.size(-1)).index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[T, C] -> [N, m, C], zeros at padding."""
+        return x.new_zeros(self.n * self.m, x.size(-1)).index_copy_(0, self.index, x).view(self.n, self.m, -1)
+
+
 def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
-                attn_mask: Tensor, pad_mask: Tensor) -> Tensor:
+                attn_mask: Tensor, pad_mask: Tensor, slots: Optional[Slots] = None) -> Tensor:
     """The decoder layers on block `x` [N, m, C] (batch-major). `enc` [S, N, C] and `enc_mask`
     [N, S] are read while the cross-attention keys are not cached yet (`enc` None: no encoder
     output, so no cross-attention, as in fairseq); `attn_mask` [m, L] is additive over cache +
-    block slots; `pad_mask` [N, m] marks padding in the block.
+    block slots; `pad_mask` [N, m] marks padding in the block. With `slots`, only the real slots
+    are computed and the result is packed [T, C] (the padding's outputs are never read, and its
+    cached keys and values are masked, so they are left zero).
 
     Every layer's cache holds the same key padding mask (all cache utilities update them alike),
     so the additive attention masks are built once per block, from the first layer's cache."""
@@ -99,9 +118,12 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
                 masks[kind, heads] = None if cross_mask is None else _additive(cross_mask, None, heads, x.dtype)
         return masks[kind, heads]
 
+    if slots is not None:
+        x = slots.pack(x)
     for layer in layers:
         cross = None if layer.encoder_attn is None else additive("cross", layer.encoder_attn.num_heads)
-        x = _layer(layer, x, enc, enc_mask, state, key_mask, additive("self", layer.self_attn.num_heads), cross)
+        x = _layer(layer, x, enc, enc_mask, state, key_mask, additive("self", layer.self_attn.num_heads), cross,
+                   slots)
     return x
 
 
@@ -116,19 +138,19 @@ def _additive(key_mask: Tensor, attn_mask: Optional[Tensor], heads: int, dtype) 
 
 
 def _layer(layer, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
-           key_mask: Tensor, self_add: Tensor, cross_add: Optional[Tensor]) -> Tensor:
+           key_mask: Tensor, self_add: Tensor, cross_add: Optional[Tensor], slots: Optional[Slots]) -> Tensor:
     pre = layer.normalize_before
     residual = x
     if pre:
         x = layer.self_attn_layer_norm(x)
-    x = residual + _self_attention(layer.self_attn, x, state, key_mask, self_add)
+    x = residual + _self_attention(layer.self_attn, x, state, key_mask, self_add, slots)
     if not pre:
         x = layer.self_attn_layer_norm(x)
     if layer.encoder_attn is not None and enc is not None:  # as fairseq: no encoder output, no cross-attention
         residual = x
         if pre:
             x = layer.encoder_attn_layer_norm(x)
-        x = residual + _cross_attention(layer.encoder_attn, x, enc, enc_mask, state, cross_add)
+        x = residual + _cross_attention(layer.encoder_attn, x, enc, enc_mask, state, cross_add, slots)
         if not pre:
             x = layer.encoder_attn_layer_norm(x)
     residual = x
@@ -152,13 +174,18 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, add: Optional[Tensor], n: int, m: i
     return torch.bmm(probs, v3).view(n, h, m, d).transpose(1, 2).reshape(n, m, h * d)
 
 
+def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
+    """Per-slot rows back in block layout [N, m, C] for attention (unchanged when not packed)."""
+    return x if slots is None else slots.unpack(x)
+
+
 def _self_attention(mha: MultiheadAttention, x: Tensor, state: Optional[IncState], key_mask: Tensor,
-                    add: Tensor) -> Tensor:
-    n, m, c = x.shape
+                    add: Tensor, slots: Optional[Slots]) -> Tensor:
     h, d = mha.num_heads, mha.head_dim
-    q = mha.q_proj(x) * mha.scaling
-    k = mha.k_proj(x).view(n, m, h, d).transpose(1, 2)
-    v = mha.v_proj(x).view(n, m, h, d).transpose(1, 2)
+    q = _block(mha.q_proj(x) * mha.scaling, slots)
+    n, m, _ = q.shape
+    k = _block(mha.k_proj(x), slots).view(n, m, h, d).transpose(1, 2)
+    v = _block(mha.v_proj(x), slots).view(n, m, h, d).transpose(1, 2)
     if state is not None:
         buf = mha._get_input_buffer(state)
         if buf.get("prev_key") is not None:
@@ -166,13 +193,19 @@ def _self_attention(mha: MultiheadAttention, x: Tensor, state: Optional[IncState
             v = torch.cat([buf["prev_value"], v], dim=2)  # type: ignore[list-item]
         buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, key_mask
         mha._set_input_buffer(state, buf)
-    return mha.out_proj(_attend(q, k, v, add, n, m))
+    return mha.out_proj(_packed(_attend(q, k, v, add, n, m), slots))
+
+
+def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
+    """Attention output back to the packed rows (unchanged when not packed)."""
+    return x if slots is None else slots.pack(x)
 
 
 def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Tensor, enc_mask: Optional[Tensor],
-                     state: Optional[IncState], add: Optional[Tensor]) -> Tensor:
+                     state: Optional[IncState], add: Optional[Tensor], slots: Optional[Slots]) -> Tensor:
     """Cached encoder keys once the first block has stored them (`enc` is then a stand-in)."""
-    n, m, _ = x.shape
+    q = _block(mha.q_proj(x) * mha.scaling, slots)
+    n, m, _ = q.shape
     h, d = mha.num_heads, mha.head_dim
     buf = mha._get_input_buffer(state) if state is not None else {}
     if buf.get("prev_key") is not None:
@@ -184,5 +217,4 @@ def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Tensor, enc_mask: 
         if state is not None:
             buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, enc_mask
             mha._set_input_buffer(state, buf)
-    q = mha.q_proj(x) * mha.scaling
-    return mha.out_proj(_attend(q, k, v, add, n, m))  # type: ignore[arg-type]
+    return mha.out_proj(_packed(_attend(q, k, v, add, n, m), slots))  # type: ignore[arg-type]
