@@ -108,13 +108,14 @@ class StreamBeamTranslationTask(TranslationTask):
                                  "see scripts/train_drafter.sh)")
             drafter = ModelDrafter(self._drafter_model(c.drafter, models[0]), self.target_dictionary, c.block_size)
         else:
-            if c.drafter or c.gad_beta != 1 or c.gad_tau != math.inf:
-                raise ValueError("--drafter, --gad-beta and --gad-tau apply to --decoding gad")
+            if c.drafter or c.gad_beta != 1 or c.gad_tau != math.inf or c.no_draft_switch:
+                raise ValueError("--drafter, --gad-beta, --gad-tau and --no-draft-switch apply to --decoding gad")
             drafter = InputCopyDrafter(c.iad_ngram, c.block_size)
         gen = AggressiveGenerator(
             models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
             budget=self.budget, refill_eps=c.refill_eps, beta=c.gad_beta, tau=c.gad_tau,
             draft_min_reach=c.draft_min_reach if c.draft_min_reach is not None else AUTO_MIN_REACH[name],
+            draft_switch=name == "gad" and not c.no_draft_switch,
         )
         _report_at_exit(gen, name)
         return gen

@@ -6,6 +6,7 @@ incremental cache is checked against recomputing every draft from scratch.
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from helpers import (
 from fairseq_streambeam.drafters.block_model import ModelDrafter
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.models.block_drafter import training_blocks
+from fairseq_streambeam.runtime.draft_budget import DraftSwitch
 from fairseq_streambeam.runtime.scheduler import Budget
 
 D = make_dict(30)
@@ -323,3 +325,48 @@ def test_hub_interface_gad(tiny_run, tiny_drafter):
     ref = hub.translate(sents, beam=1)
     attach_to_hub(hub, decoding="gad", drafter=str(drafter))
     assert hub.translate(sents, beam=1) == ref
+
+
+def test_draft_switch_uses_the_cheaper_mode_and_probes_the_other():
+    sw = DraftSwitch(first_probe=2, max_probe=8)
+    modes = []
+
+    def step(cost):  # cost(drafting) -> seconds for one token
+        on = sw.drafting()
+        modes.append(on)
+        sw.record(on, cost(on), 1)
+
+    for _ in range(40):  # drafting costs 3x more per token: mostly without drafts, probes back off
+        step(lambda on: 3.0 if on else 1.0)
+    assert modes[:2] == [True, False] and sum(modes[2:]) <= 6
+    gaps = [i for i, on in enumerate(modes) if on and i > 2]
+    assert gaps and all(b - a >= 3 for a, b in zip(gaps, gaps[1:]))  # the wait grows while drafting keeps losing
+    modes.clear()
+    for _ in range(40):  # now drafting is cheaper: the switch goes back to drafting
+        step(lambda on: 0.2 if on else 1.0)
+    assert sum(modes[-20:]) >= 17
+
+
+class SlowDrafter(ModelDrafter):
+    """A drafter that takes far longer than verification: drafting never pays off."""
+
+    calls = 0
+
+    def propose(self, g, outs, caps):
+        if max(caps, default=0) > 0:
+            SlowDrafter.calls += 1
+            time.sleep(0.02)
+        return super().propose(g, outs, caps)
+
+
+def test_gad_goes_without_a_drafter_that_costs_more_than_it_brings():
+    m = random_transformer(D, 90, eos_bias=-3.0).double()  # long outputs: many passes per sentence
+    s = make_sample(D, random_sentences(D, 6, 91, min_len=6, max_len=12))
+    kw = dict(max_len_b=20)
+    ref = fairseq_generate([m], D, s, beam_size=1, **kw)
+    for n in (1, 3):
+        SlowDrafter.calls = 0
+        gen = AggressiveGenerator([m], D, drafter=SlowDrafter(random_drafter(D, 92).double(), D, 3),
+                                  budget=Budget(n), draft_switch=True, **kw)
+        assert_same_hypos(ref, gen.generate([m], s))
+        assert SlowDrafter.calls < 0.5 * gen.counters.decoder_steps  # most passes went without drafts

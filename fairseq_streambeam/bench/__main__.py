@@ -274,6 +274,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.drafter = settings.get("drafter") if gad else None
     task.cfg.gad_beta = (v.gad_beta or 1) if gad else 1
     task.cfg.gad_tau = v.gad_tau if gad and v.gad_tau is not None else math.inf
+    task.cfg.no_draft_switch = gad and v.draft_switch is False
     from .data import CorpusOrder
 
     dataset = CorpusOrder(ts.dataset) if settings["corpus_order"] else ts.dataset

@@ -28,13 +28,14 @@ class Variant:
     gad_beta: Optional[int] = None  # gad: verifier top-beta (1 = greedy output; >1 = GAD++)
     gad_tau: Optional[float] = None  # gad++: log-prob tolerance to the verifier's top-1
     draft_min_reach: Optional[float] = None  # aggressive decoding: adaptive draft cap (--draft-min-reach)
+    draft_switch: Optional[bool] = None  # gad: passes without drafts when cheaper (False = --no-draft-switch)
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
             raise ValueError(f"variant {self.name!r}: unknown decoding {self.decoding!r}; choose from {DECODINGS}")
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "lmbr" and v is False)}
 
 
 BUILTIN: Dict[str, Variant] = {

@@ -53,10 +53,13 @@ class ModelDrafter:
 
     def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
         n = len(g.pending)
-        # mask slots beyond every row's cap would draft tokens nobody verifies (length limits, the
-        # adaptive draft cap): fewer mask slots, at least one so the pending tokens are always fed
-        k = max(1, min(self.k, max(caps, default=self.k)))
         dev = next(self.model.parameters()).device
+        if max(caps, default=0) <= 0 and g.encoder_out is None:  # nothing to draft: no drafter pass (the
+            return torch.empty(n, 0, dtype=torch.long, device=dev), [0] * n  # pending tokens wait)
+        # mask slots beyond every row's cap would draft tokens nobody verifies (length limits, the
+        # adaptive draft cap): fewer mask slots, at least one in a group's first pass, which builds
+        # the cache that merging groups concatenates
+        k = max(1, min(self.k, max(caps, default=self.k)))
         a = max(len(p) for p in g.pending)
         head = torch.full((n, a), self.pad, dtype=torch.long)
         pos = torch.zeros((n, a + k), dtype=torch.long)
@@ -80,7 +83,7 @@ class ModelDrafter:
         return logits.argmax(-1), lens
 
     def advance(self, g: DraftGroup, outs: List[List[int]], matched: List[int]) -> None:
-        g.pending = [out[f - 1:] for out, f in zip(outs, g.fed)]  # out[f-1] is the first token not fed
+        g.pending = [([self.bos] + out)[f:] for out, f in zip(outs, g.fed)]  # BOS y1..yt from the first not fed
         real = max(g.fed) + 1
         if cached_length(self.model.decoder, g.state) > 2 * real + self.compact_slack:
             compact(self.model.decoder, g.state)

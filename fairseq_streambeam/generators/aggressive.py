@@ -39,7 +39,7 @@ from ..runtime.cache import (
     encoder_out_stand_in,
 )
 from ..runtime.counters import Counters
-from ..runtime.draft_budget import DraftBudget
+from ..runtime.draft_budget import DraftBudget, DraftSwitch
 from ..runtime.lean_layer import Slots
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.penalties import FairseqPenalties
@@ -77,7 +77,8 @@ class AggressiveGenerator(SequenceGenerator):
                  unk_penalty: float = 0.0, temperature: float = 1.0, eos: Optional[int] = None,
                  symbols_to_strip_from_output=None, drafter: Optional[Drafter] = None,
                  budget: Optional[Budget] = None, refill_eps: float = 1 / 6, compact_slack: int = 16,
-                 beta: int = 1, tau: float = math.inf, draft_min_reach: float = 0.0, **_):
+                 beta: int = 1, tau: float = math.inf, draft_min_reach: float = 0.0,
+                 draft_switch: bool = False, **_):
         super().__init__(models, tgt_dict, beam_size=1, max_len_a=max_len_a, max_len_b=max_len_b, max_len=max_len,
                          min_len=min_len, normalize_scores=normalize_scores, len_penalty=len_penalty,
                          unk_penalty=unk_penalty, temperature=temperature, eos=eos,
@@ -92,6 +93,7 @@ class AggressiveGenerator(SequenceGenerator):
         self.drafter: Drafter = drafter or InputCopyDrafter()
         self.beta, self.tau = beta, tau
         self.draft_budget = DraftBudget(draft_min_reach)
+        self.draft_switch = DraftSwitch() if draft_switch else None  # passes without drafts when cheaper
         self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty,
                                           min_len=min_len, suppress=self.token_indices_to_suppress)
         self.scheduler = Scheduler("min-length", budget or Budget(), refill_eps)
@@ -154,6 +156,10 @@ class AggressiveGenerator(SequenceGenerator):
         # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
         caps = [r.max_len - len(r.out) for r in g.rows]
         worth = self.draft_budget.cap(max(caps))
+        # a group's first pass always drafts (and is not timed: it also caches the encoder keys)
+        timed = self.draft_switch is not None and g.encoder_outs is None
+        if timed and not self.draft_switch.drafting():
+            worth = 0
         caps = [min(c, worth) for c in caps]
         t = time.perf_counter()
         drafts, lens = self.drafter.propose(g.draft, outs, caps)
@@ -186,7 +192,7 @@ class AggressiveGenerator(SequenceGenerator):
         matched = acc_h[:, 0].astype(int).tolist()
         rejected = torch.arange(m).unsqueeze(0) > torch.tensor(matched).unsqueeze(1)  # slots after the model's token
         draft_l, best_l, dlp_l, lp_l = draft_h.tolist(), best_h.tolist(), dlp_h.tolist(), lp_h.tolist()
-        done_rows, finished_tokens = [], 0
+        done_rows, finished_tokens, produced = [], 0, 0
         for i, r in enumerate(g.rows):
             j = matched[i]
             new = [int(x) for x in draft_l[i][:j]] + [int(best_l[i][j])]
@@ -196,7 +202,7 @@ class AggressiveGenerator(SequenceGenerator):
                 new, new_lp = new[:k], new_lp[:k]
             r.out += new
             r.lp += new_lp
-            self.counters.accepted_tokens += len(new)
+            produced += len(new)
             if r.out[-1] == self.eos:
                 done_rows.append(i)
                 results[r.window_row] = [self._hypo(r, dev)]
@@ -220,6 +226,9 @@ class AggressiveGenerator(SequenceGenerator):
             if cached_length(self.model.models[0].decoder, g.states[0]) > 2 * real + self.compact_slack:
                 for mdl, st in zip(self.model.models, g.states):
                     compact(mdl.decoder, st)
+        self.counters.accepted_tokens += produced
+        if timed:
+            self.draft_switch.record(d > 0, time.perf_counter() - t, produced)
         return finished_tokens
 
     def _verify(self, g: Group, enc, block: Tensor, block_pad: Tensor, steps_h: Tensor, at_max: Tensor,

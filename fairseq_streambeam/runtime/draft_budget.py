@@ -51,3 +51,47 @@ class DraftBudget:
                 self.reached[j] += 1
             for j in range(a):
                 self.accepted[j] += 1
+
+
+class DraftSwitch:
+    """Drafting on or off, whichever has cost less wall time per output token.
+
+    A drafter that is rarely right makes every pass dearer (GAD runs the drafter model each pass)
+    while adding few tokens; then passes without drafts are faster, with the same output. The
+    switch keeps an exponential average of seconds per accepted token for passes with and without
+    drafts, uses the cheaper mode, and re-measures the other one now and then (one pass, weighed
+    at 0.5): after `first_probe` passes, doubling the wait (up to `max_probe`) each time it loses
+    again. Each pass ends in a
+    host copy of its results, so the host clock sees the device's work too (no extra sync).
+    """
+
+    def __init__(self, first_probe: int = 8, max_probe: int = 256, alpha: float = 0.2):
+        self.first_probe, self.max_probe, self.alpha = first_probe, max_probe, alpha
+        self.rate: dict = {True: None, False: None}  # seconds per accepted token, drafting or not
+        self.mode = True  # drafting until measured otherwise
+        self.wait = first_probe  # passes in `mode` before the other mode is measured again
+        self.since = 0
+        self.probing = False
+
+    def drafting(self) -> bool:
+        """Draft in this pass?"""
+        self.probing = self.since >= self.wait or self.rate[not self.mode] is None and self.since >= 1
+        return (not self.mode) if self.probing else self.mode
+
+    def record(self, drafted: bool, seconds: float, tokens: int) -> None:
+        """A pass with (`drafted`) or without drafts took `seconds` for `tokens` output tokens."""
+        if tokens <= 0:
+            return
+        r = seconds / tokens
+        old = self.rate[drafted]
+        alpha = 0.5 if self.probing else self.alpha  # a probed mode is measured rarely: weigh it more
+        self.rate[drafted] = r if old is None else old + alpha * (r - old)
+        if not self.probing:
+            self.since += 1
+            return
+        self.since, self.probing = 0, False
+        other = self.rate[not self.mode]
+        if other is not None and self.rate[self.mode] is not None and other < self.rate[self.mode]:
+            self.mode, self.wait = not self.mode, self.first_probe  # the other mode is cheaper: use it
+        else:
+            self.wait = min(2 * self.wait, self.max_probe)
