@@ -76,9 +76,10 @@ class StreamBeamConfig(TranslationConfig):
         default=None, metadata={"help": "gad: block_drafter checkpoint (scripts/train_drafter.sh) with the "
                                         "verifier's target dictionary"})
     no_draft_switch: bool = field(
-        default=False, metadata={"help": "gad: draft in every pass (default: passes go without the drafter "
-                                         "while those cost less time per output token, re-measured now and "
-                                         "then; output unchanged)"})
+        default=False, metadata={"help": "gad: draft in every pass (default with --gad-beta 1: passes go "
+                                         "without the drafter while those cost less time per output token, "
+                                         "re-measured now and then; output unchanged. GAD++ always drafts: "
+                                         "its output depends on the drafts)"})
     gad_beta: int = field(
         default=1, metadata={"help": "gad: accept a draft token among the verifier's top-beta (1 = strict "
                                      "top-1 = greedy output; >1 = GAD++)"})

@@ -115,7 +115,7 @@ class StreamBeamTranslationTask(TranslationTask):
             models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
             budget=self.budget, refill_eps=c.refill_eps, beta=c.gad_beta, tau=c.gad_tau,
             draft_min_reach=c.draft_min_reach if c.draft_min_reach is not None else AUTO_MIN_REACH[name],
-            draft_switch=name == "gad" and not c.no_draft_switch,
+            draft_switch=name == "gad" and c.gad_beta == 1 and not c.no_draft_switch,
         )
         _report_at_exit(gen, name)
         return gen

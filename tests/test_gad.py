@@ -370,3 +370,9 @@ def test_gad_goes_without_a_drafter_that_costs_more_than_it_brings():
                                   budget=Budget(n), draft_switch=True, **kw)
         assert_same_hypos(ref, gen.generate([m], s))
         assert SlowDrafter.calls < 0.5 * gen.counters.decoder_steps  # most passes went without drafts
+
+
+def test_draft_switch_is_refused_with_gad_plus_plus():
+    m = random_transformer(D, 93)
+    with pytest.raises(ValueError, match="top-1"):
+        AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 94), D), beta=3, draft_switch=True)

@@ -90,6 +90,8 @@ class AggressiveGenerator(SequenceGenerator):
             raise ValueError(f"--gad-beta must be >= 1, got {beta}")
         if not tau >= 0:
             raise ValueError(f"--gad-tau must be >= 0, got {tau}")
+        if draft_switch and beta > 1:  # GAD++ output depends on which passes draft, so on timing
+            raise ValueError("the draft switch needs top-1 verification (--gad-beta 1)")
         self.drafter: Drafter = drafter or InputCopyDrafter()
         self.beta, self.tau = beta, tau
         self.draft_budget = DraftBudget(draft_min_reach)
