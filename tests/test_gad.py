@@ -191,7 +191,7 @@ def test_train_drafter_with_fairseq_train_and_decode_with_it(tiny_run, tiny_draf
     greedy = generate("--decoding", "greedy")
     assert len(greedy) == N_TEST
     same(generate("--decoding", "gad", "--drafter", str(drafter)), greedy)
-    same(generate("--decoding", "gad", "--drafter", str(drafter), "--block-size", "1"), greedy)
+    same(generate("--decoding", "gad", "--drafter", str(drafter), "--block-size", "1", "--no-draft-switch"), greedy)
 
 
 def test_gad_cli_errors(tiny_run, tmp_path):
@@ -202,8 +202,9 @@ def test_gad_cli_errors(tiny_run, tmp_path):
     assert r.returncode != 0 and "needs --drafter" in r.stderr
     r = run_cli(base + ["--decoding", "gad", "--drafter", str(ckpt)])  # an AR checkpoint is no drafter
     assert r.returncode != 0 and "not a block_drafter" in r.stderr
-    r = run_cli(base + ["--decoding", "iad", "--gad-beta", "2"])
-    assert r.returncode != 0 and "apply to --decoding gad" in r.stderr
+    for extra in (["--gad-beta", "2"], ["--no-draft-switch"]):
+        r = run_cli(base + ["--decoding", "iad", *extra])
+        assert r.returncode != 0 and "apply to --decoding gad" in r.stderr
 
 
 def test_drafter_with_another_dictionary_is_refused(tmp_path):
