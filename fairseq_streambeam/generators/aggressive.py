@@ -8,7 +8,9 @@ and rolls the cache back by masking the rejected slots. Verification is strict t
 the output is greedy decoding's (fairseq `--beam 1`) token for token; GAD++ (`beta` > 1) also
 accepts a draft token that is among the verifier's top-beta and within `tau` of its top-1
 log-probability. Rows that finish leave; new sources enter when fewer than eps*n are live, as in
-VAR-STREAM.
+VAR-STREAM. Which drafts are worth verifying is decided online from measured acceptance
+(runtime.draft_budget.DraftBudget) and, for GAD, from measured time (DraftSwitch: passes go without
+the drafter while those are cheaper per token); neither changes a top-1 verifier's output.
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ class AggressiveGenerator(SequenceGenerator):
         caps = [r.max_len - len(r.out) for r in g.rows]
         worth = self.draft_budget.cap(max(caps))
         # a group's first pass always drafts (and is not timed: it also caches the encoder keys)
-        timed = self.draft_switch is not None and g.encoder_outs is None
-        if timed and not self.draft_switch.drafting():
+        switch = self.draft_switch if g.encoder_outs is None else None
+        if switch is not None and not switch.drafting():
             worth = 0
         caps = [min(c, worth) for c in caps]
         t = time.perf_counter()
@@ -229,8 +231,8 @@ class AggressiveGenerator(SequenceGenerator):
                 for mdl, st in zip(self.model.models, g.states):
                     compact(mdl.decoder, st)
         self.counters.accepted_tokens += produced
-        if timed:
-            self.draft_switch.record(d > 0, time.perf_counter() - t, produced)
+        if switch is not None:
+            switch.record(d > 0, time.perf_counter() - t, produced)
         return finished_tokens
 
     def _verify(self, g: Group, enc, block: Tensor, block_pad: Tensor, steps_h: Tensor, at_max: Tensor,

@@ -30,14 +30,12 @@ class FairseqPenalties:
         step: int,
         at_max_len: Optional[Tensor],
         prefix: Optional[Tensor],
-        before_min_len: Optional[Tensor] = None,
     ) -> Tensor:
         """lprobs [N, V] for live rows at decoding step `step` (0-based). `at_max_len` [N] bool
         (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
-        None when past every prefix. Rows at different steps (aggressive decoding's blocks) pass
-        `before_min_len` [N] instead of relying on `step`."""
+        None when past every prefix."""
         self.fix_rows(lprobs, at_max_len)
-        self.fix_columns(lprobs, step, before_min_len, free=prefix is None)
+        self.fix_columns(lprobs, step, free=prefix is None)
         if prefix is not None:
             forced = prefix != self.pad
             if at_max_len is not None:
@@ -66,7 +64,8 @@ class FairseqPenalties:
                     free: bool = True) -> None:
         """The adjustments that write a few columns: never pad, the unk penalty and, for rows not
         forced to a prefix token (`free`), no EOS before the minimum length and never a suppressed
-        token."""
+        token. Rows at different steps (aggressive decoding's blocks) pass `before_min_len` [N]
+        instead of relying on `step`."""
         lprobs[:, self.pad] = -math.inf
         if self.unk_penalty:
             lprobs[:, self.unk] -= self.unk_penalty
