@@ -189,7 +189,7 @@ class AggressiveGenerator(SequenceGenerator):
         g.encoder_outs = None
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.decoder_steps += 1
-        self.counters.expansions += int(n * m)
+        self.counters.expansions += int(n * m) if slots is None else int(slots.index.numel())  # slots computed
         self.counters.verified_rows += n
         self.counters.block_slots += n + sum(lens)
 

@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 class Counters:
     sentences: int = 0
     decoder_steps: int = 0  # model calls of the incremental decoder
-    expansions: int = 0  # candidate rows expanded by the decoder, summed over steps
+    expansions: int = 0  # candidate rows expanded by the decoder (aggressive: block slots computed), summed over steps
     encoder_calls: int = 0
     accepted_tokens: int = 0  # aggressive decoding: output tokens accepted, summed over passes
     verified_rows: int = 0  # aggressive decoding: rows verified, summed over passes (= passes at batch 1)
@@ -27,7 +27,8 @@ class Counters:
     @property
     def padding_share(self) -> float:
         """Beam modes: share of padding in the source positions the decoder attends to; aggressive
-        decoding: share of padding slots in the verified blocks (rows pay for the widest draft)."""
+        decoding: share of padding among the block slots computed (rows with shorter drafts; top-1
+        verification computes only the real slots, GAD++ every slot of the widest draft)."""
         if self.verified_rows:
             return 1 - self.block_slots / self.expansions if self.expansions else 0.0
         return 1 - self.source_positions / self.padded_positions if self.padded_positions else 0.0
