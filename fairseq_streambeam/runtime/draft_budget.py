@@ -61,9 +61,8 @@ class DraftSwitch:
     switch keeps an exponential average of seconds per accepted token for passes with and without
     drafts, uses the cheaper mode, and re-measures the other one now and then (one pass, weighed
     at 0.5): after `first_probe` passes, doubling the wait (up to `max_probe`) each time it loses
-    again. Each pass ends in a
-    host copy of its results, so the host clock sees the device's work too (no extra sync).
-    """
+    again. Each pass ends in a host copy of its results, so the host clock sees the device's work
+    too (no extra sync)."""
 
     def __init__(self, first_probe: int = 8, max_probe: int = 256, alpha: float = 0.2):
         self.first_probe, self.max_probe, self.alpha = first_probe, max_probe, alpha
