@@ -4,13 +4,13 @@ one parallel pass.
 The drafter keeps its own incremental cache of each row's accepted prefix: every pass feeds the
 tokens accepted since the previous pass (causal, like the AR decoder) followed by k mask slots
 (bidirectional), takes the argmax at the mask slots, and cuts the mask slots off the cache again.
-The source is encoded once per row, when it enters.
+The source is encoded once per row, the first time its group drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from torch import Tensor
@@ -21,13 +21,15 @@ from ..runtime.cache import cat_incremental_states, encoder_out_stand_in
 
 @dataclass
 class DraftGroup:
-    """Drafter state of one group of rows."""
+    """Drafter state of one group of rows. Built lazily: the sources are encoded and the cache is
+    filled the first time the group drafts (with the draft switch a group may never draft)."""
 
     rows: List[int]  # window rows (sources) in this group, in order
     pending: List[List[int]]  # accepted tokens not yet fed to the drafter, per row (starts as [BOS])
     fed: List[int]  # tokens fed so far per row = target position of the next fed token
     state: dict = field(default_factory=dict)  # the drafter decoder's incremental state
-    encoder_out: Optional[dict] = None  # until the first pass has cached cross-attention keys
+    srcs: Any = None  # the window's sources (generators.common.Sources) until the group is built
+    built: bool = False
 
 
 class ModelDrafter:
@@ -48,18 +50,24 @@ class ModelDrafter:
         self.compact_slack = compact_slack
 
     def open(self, srcs, rows: List[int]) -> DraftGroup:
-        enc = self.model.encoder.forward_torchscript(srcs.subset_input(rows))
-        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, enc)
+        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, srcs)
 
     def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
         n = len(g.pending)
         dev = next(self.model.parameters()).device
-        if max(caps, default=0) <= 0 and g.encoder_out is None:  # nothing to draft: no drafter pass (the
-            return torch.empty(n, 0, dtype=torch.long, device=dev), [0] * n  # pending tokens wait)
+        if max(caps, default=0) <= 0:  # nothing to draft: no drafter pass (the pending tokens wait)
+            return torch.empty(n, 0, dtype=torch.long, device=dev), [0] * n
         # mask slots beyond every row's cap would draft tokens nobody verifies (length limits, the
-        # adaptive draft cap): fewer mask slots, at least one in a group's first pass, which builds
-        # the cache that merging groups concatenates
-        k = max(1, min(self.k, max(caps, default=self.k)))
+        # adaptive draft cap): fewer mask slots
+        k = min(self.k, max(caps))
+        lens = [max(0, min(k, c)) for c in caps]
+        return self._feed(g, k).argmax(-1), lens
+
+    def _feed(self, g: DraftGroup, k: int) -> Tensor:
+        """Feed every row's pending tokens plus k mask slots (building the group first); returns
+        the mask slots' logits [N, k, V] and cuts those slots off the cache again."""
+        n = len(g.pending)
+        dev = next(self.model.parameters()).device
         a = max(len(p) for p in g.pending)
         head = torch.full((n, a), self.pad, dtype=torch.long)
         pos = torch.zeros((n, a + k), dtype=torch.long)
@@ -73,14 +81,17 @@ class ModelDrafter:
         pos = pos.clamp(max=self.max_pos - 1)
         top = int(pos.max())
         pos = pos.to(dev)
-        enc = g.encoder_out if g.encoder_out is not None else encoder_out_stand_in(self.model, n, dev)[0]
+        if g.built:
+            enc = encoder_out_stand_in(self.model, n, dev)[0]
+        else:  # the first pass of this group caches the cross-attention keys
+            enc = self.model.encoder.forward_torchscript(g.srcs.subset_input(g.rows))
+            g.built, g.srcs = True, None
         logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state, max_position=top)
-        g.encoder_out = None
         truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
         for i, p in enumerate(g.pending):
             g.fed[i] += len(p)
-        lens = [max(0, min(k, c)) for c in caps]
-        return logits.argmax(-1), lens
+        g.pending = [[] for _ in g.pending]
+        return logits
 
     def advance(self, g: DraftGroup, outs: List[List[int]], matched: List[int]) -> None:
         g.pending = [([self.bos] + out)[f:] for out, f in zip(outs, g.fed)]  # BOS y1..yt from the first not fed
@@ -89,15 +100,20 @@ class ModelDrafter:
             compact(self.model.decoder, g.state)
 
     def select(self, g: DraftGroup, keep: List[int]) -> DraftGroup:
-        dev = next(self.model.parameters()).device
-        keep_rows(self.model.decoder, g.state, torch.tensor(keep, dtype=torch.long, device=dev))
+        if g.built:
+            dev = next(self.model.parameters()).device
+            keep_rows(self.model.decoder, g.state, torch.tensor(keep, dtype=torch.long, device=dev))
         g.rows = [g.rows[i] for i in keep]
         g.pending = [g.pending[i] for i in keep]
         g.fed = [g.fed[i] for i in keep]
         return g
 
     def merge(self, a: DraftGroup, b: DraftGroup) -> DraftGroup:
-        a.state = cat_incremental_states([a.state, b.state])
+        for x in (a, b):
+            if not x.built and (a.built or b.built):  # a built and an unbuilt group: build the other
+                self._feed(x, 0)
+        if a.built:
+            a.state = cat_incremental_states([a.state, b.state])
         a.rows, a.pending, a.fed = a.rows + b.rows, a.pending + b.pending, a.fed + b.fed
         return a
 

@@ -160,10 +160,10 @@ class AggressiveGenerator(SequenceGenerator):
         # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
         caps = [r.max_len - len(r.out) for r in g.rows]
         worth = self.draft_budget.cap(max(caps))
-        # a group's first pass always drafts (and is not timed: it also caches the encoder keys)
-        switch = self.draft_switch if g.encoder_outs is None else None
+        switch = self.draft_switch
         if switch is not None and not switch.drafting():
             worth = 0
+        timed = g.encoder_outs is None  # a group's first pass also caches the encoder keys: not timed
         caps = [min(c, worth) for c in caps]
         t = time.perf_counter()
         drafts, lens = self.drafter.propose(g.draft, outs, caps)
@@ -231,7 +231,7 @@ class AggressiveGenerator(SequenceGenerator):
                 for mdl, st in zip(self.model.models, g.states):
                     compact(mdl.decoder, st)
         self.counters.accepted_tokens += produced
-        if switch is not None:
+        if switch is not None and timed:
             switch.record(d > 0, time.perf_counter() - t, produced)
         return finished_tokens
 
