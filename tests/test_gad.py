@@ -6,6 +6,7 @@ incremental cache is checked against recomputing every draft from scratch.
 """
 
 import math
+import random
 import time
 
 import pytest
@@ -69,25 +70,29 @@ class Recording(ModelDrafter):
         return drafts, lens
 
 
-@pytest.mark.parametrize("skips", [False, True])
+@pytest.mark.parametrize("skips", [None, "drop", 0])
 def test_drafter_cache_equals_recomputing_every_draft(skips):
     """Incremental drafting (pending tokens, cut mask slots, merges, dropped rows, compaction) drafts
     exactly what one uncached pass over [BOS + output, MASK x k] drafts; also when passes go without
-    drafts (`skips`: pending tokens pile up, groups are built late, built and unbuilt groups merge)."""
+    drafts (`skips`: pending tokens pile up, groups are built late; at a merge a built group drops
+    its cache for an unbuilt one, "drop", or an unbuilt group is built for a built one, 0)."""
     m = random_transformer(D, 30, eos_bias=1.0).double()
     dr = random_drafter(D, 31, k=3, layers=2).double()
     s = make_sample(D, random_sentences(D, 9, 32))
     rec = Recording(dr, D, 3, compact_slack=0)
     rec.seen = []
-    gen = AggressiveGenerator([m], D, drafter=rec, budget=Budget(3), max_len_b=20, draft_switch=skips, refill_eps=0.9)
-    late = []
-    if skips:
+    gen = AggressiveGenerator([m], D, drafter=rec, budget=Budget(3), max_len_b=20, draft_switch=skips is not None,
+                              refill_eps=0.9)
+    events = []
+    if skips is not None:
+        coin = random.Random(0)  # these patterns were seen to give the event
         pattern = iter([False, False, True] * 100)
-        gen.draft_switch.drafting = lambda: next(pattern)
-        feed = rec._feed
-        rec._feed = lambda g, k: late.append(k) or feed(g, k)
+        gen.draft_switch.drafting = (lambda: next(pattern)) if skips == "drop" else (lambda: coin.random() < 0.4)
+        feed, drop = rec._feed, rec._drop
+        rec._feed = lambda g, k: events.append(k) or feed(g, k)
+        rec._drop = lambda g: events.append("drop") or drop(g)
     assert_same_hypos(fairseq_generate([m], D, s, beam_size=1, max_len_b=20), gen.generate([m], s))
-    assert not skips or 0 in late  # an unbuilt group merged into a built one
+    assert skips is None or skips in events
     src = s["net_input"]["src_tokens"]
     enc_all = dr.encoder(src, src_lengths=s["net_input"]["src_lengths"])
     rec.seen = [x for x in rec.seen if x[2]]  # passes that drafted
@@ -98,7 +103,8 @@ def test_drafter_cache_equals_recomputing_every_draft(skips):
         toks, pos, pad, _ = training_blocks(target, D.pad(), D.eos(), D.unk(), k, prefix_len=torch.tensor([len(out)]))
         full = dr.draft_logits(enc, toks, pos, pad, k).argmax(-1)[0].tolist()
         assert draft == full, (i, out, draft, full)
-    assert len(rec.seen) > (10 if skips else 30) and len({i for i, _, _ in rec.seen}) >= (7 if skips else 9)
+    assert len(rec.seen) > (5 if skips is not None else 30)
+    assert len({i for i, _, _ in rec.seen}) >= (3 if skips is not None else 9)
 
 
 def test_gad_plus_plus_acceptance_rule():

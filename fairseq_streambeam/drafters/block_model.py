@@ -28,8 +28,9 @@ class DraftGroup:
     pending: List[List[int]]  # accepted tokens not yet fed to the drafter, per row (starts as [BOS])
     fed: List[int]  # tokens fed so far per row = target position of the next fed token
     state: dict = field(default_factory=dict)  # the drafter decoder's incremental state
-    srcs: Any = None  # the window's sources (generators.common.Sources) until the group is built
+    srcs: Any = None  # the window's sources (generators.common.Sources), to build the group from
     built: bool = False
+    outs: List[List[int]] = field(default_factory=list)  # the rows' outputs (the generator's own lists)
 
 
 class ModelDrafter:
@@ -50,7 +51,7 @@ class ModelDrafter:
         self.compact_slack = compact_slack
 
     def open(self, srcs, rows: List[int]) -> DraftGroup:
-        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, srcs)
+        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, srcs, False, [[] for _ in rows])
 
     def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
         n = len(g.pending)
@@ -85,7 +86,7 @@ class ModelDrafter:
             enc = encoder_out_stand_in(self.model, n, dev)[0]
         else:  # the first pass of this group caches the cross-attention keys
             enc = self.model.encoder.forward_torchscript(g.srcs.subset_input(g.rows))
-            g.built, g.srcs = True, None
+            g.built = True
         logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state, max_position=top)
         truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
         for i, p in enumerate(g.pending):
@@ -94,6 +95,7 @@ class ModelDrafter:
         return logits
 
     def advance(self, g: DraftGroup, outs: List[List[int]], matched: List[int]) -> None:
+        g.outs = outs
         g.pending = [([self.bos] + out)[f:] for out, f in zip(outs, g.fed)]  # BOS y1..yt from the first not fed
         real = max(g.fed) + 1
         if cached_length(self.model.decoder, g.state) > 2 * real + self.compact_slack:
@@ -106,16 +108,28 @@ class ModelDrafter:
         g.rows = [g.rows[i] for i in keep]
         g.pending = [g.pending[i] for i in keep]
         g.fed = [g.fed[i] for i in keep]
+        g.outs = [g.outs[i] for i in keep]
         return g
 
     def merge(self, a: DraftGroup, b: DraftGroup) -> DraftGroup:
-        for x in (a, b):
-            if not x.built and (a.built or b.built):  # a built and an unbuilt group: build the other
-                self._feed(x, 0)
+        """`b` entered after `a`. A new group left unbuilt did not draft in its first pass (the draft
+        switch was off): then `a` drops its cache rather than build `b`'s, and the merged group is
+        built again when it next drafts; a new group that drafted has `a` built too."""
+        if a.built and not b.built:
+            self._drop(a)
+        elif b.built and not a.built:
+            self._feed(a, 0)
         if a.built:
             a.state = cat_incremental_states([a.state, b.state])
         a.rows, a.pending, a.fed = a.rows + b.rows, a.pending + b.pending, a.fed + b.fed
+        a.outs = a.outs + b.outs
         return a
+
+    def _drop(self, g: DraftGroup) -> None:
+        """Forget the group's cache: every row's whole prefix is pending again."""
+        g.state, g.built = {}, False
+        g.fed = [0] * len(g.rows)
+        g.pending = [[self.bos] + list(o) for o in g.outs]
 
 
 def _max_target_positions(model) -> int:
