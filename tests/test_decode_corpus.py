@@ -110,8 +110,11 @@ def test_gad_corpus_equals_greedy(corpus, tiny_drafter, tmp_path):
     assert decode_main([*base, "--decoding", "greedy", "--output-dir", str(tmp_path / "greedy")]) == 0
     assert decode_main([*base, "--decoding", "gad", "--drafter", str(drafter),
                         "--output-dir", str(tmp_path / "gad")]) == 0
+    assert decode_main([*base, "--decoding", "gad", "--drafter", str(drafter), "--no-draft-switch",
+                        "--output-dir", str(tmp_path / "gad-always")]) == 0
     greedy = (tmp_path / "greedy" / "output.txt").read_text(encoding="utf-8")
     assert (tmp_path / "gad" / "output.txt").read_text(encoding="utf-8") == greedy
+    assert (tmp_path / "gad-always" / "output.txt").read_text(encoding="utf-8") == greedy
     assert greedy.count("\n") == n
     totals = json.loads((tmp_path / "gad" / "manifest.json").read_text())["totals"]
     assert totals["verified_rows"] >= n and totals["accepted_tokens"] >= n
