@@ -29,8 +29,12 @@ class DraftGroup:
     fed: List[int]  # tokens fed so far per row = target position of the next fed token
     state: dict = field(default_factory=dict)  # the drafter decoder's incremental state
     srcs: Any = None  # the window's sources (generators.common.Sources), to build the group from
-    built: bool = False
     outs: List[List[int]] = field(default_factory=list)  # the rows' outputs (the generator's own lists)
+
+    @property
+    def built(self) -> bool:
+        """Sources encoded and prefixes cached (an empty incremental state: not yet, or dropped)."""
+        return bool(self.state)
 
 
 class ModelDrafter:
@@ -51,7 +55,7 @@ class ModelDrafter:
         self.compact_slack = compact_slack
 
     def open(self, srcs, rows: List[int]) -> DraftGroup:
-        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, srcs, False, [[] for _ in rows])
+        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, srcs, [[] for _ in rows])
 
     def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
         n = len(g.pending)
@@ -86,7 +90,6 @@ class ModelDrafter:
             enc = encoder_out_stand_in(self.model, n, dev)[0]
         else:  # the first pass of this group caches the cross-attention keys
             enc = self.model.encoder.forward_torchscript(g.srcs.subset_input(g.rows))
-            g.built = True
         logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state, max_position=top)
         truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
         for i, p in enumerate(g.pending):
@@ -127,7 +130,7 @@ class ModelDrafter:
 
     def _drop(self, g: DraftGroup) -> None:
         """Forget the group's cache: every row's whole prefix is pending again."""
-        g.state, g.built = {}, False
+        g.state = {}
         g.fed = [0] * len(g.rows)
         g.pending = [[self.bos] + list(o) for o in g.outs]
 
