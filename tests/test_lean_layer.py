@@ -41,7 +41,7 @@ def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False):
         pad[0, m - 1] = True  # a row whose block is one slot shorter
         steps = length.unsqueeze(1) + torch.arange(m)
         e = enc if i == 0 else encoder_out_stand_in(model, n, tokens.device)[0]
-        slots = Slots((~pad).view(-1).nonzero().squeeze(1), n, m) if packed else None
+        slots = Slots.real(pad) if packed else None
         outs.append((forward_block(dec, tokens, steps, e, state, pad, tail=tail, slots=slots), pad))
         if i == 0:  # roll back the last two slots of row 1, as a rejected draft
             masked = torch.zeros(n, m, dtype=torch.bool)

@@ -99,7 +99,7 @@ class ModelDrafter:
 
     def advance(self, g: DraftGroup, outs: List[List[int]], matched: List[int]) -> None:
         g.outs = outs
-        g.pending = [([self.bos] + out)[f:] for out, f in zip(outs, g.fed)]  # BOS y1..yt from the first not fed
+        g.pending = self._unfed(outs, g.fed)
         real = max(g.fed) + 1
         if cached_length(self.model.decoder, g.state) > 2 * real + self.compact_slack:
             compact(self.model.decoder, g.state)
@@ -132,7 +132,11 @@ class ModelDrafter:
         """Forget the group's cache: every row's whole prefix is pending again."""
         g.state = {}
         g.fed = [0] * len(g.rows)
-        g.pending = [[self.bos] + list(o) for o in g.outs]
+        g.pending = self._unfed(g.outs, g.fed)
+
+    def _unfed(self, outs: List[List[int]], fed: List[int]) -> List[List[int]]:
+        """Each row's tokens BOS y1..yt from the first one not fed to the drafter yet."""
+        return [([self.bos] + out)[f:] for out, f in zip(outs, fed)]
 
 
 def _max_target_positions(model) -> int:

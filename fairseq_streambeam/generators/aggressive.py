@@ -184,7 +184,7 @@ class AggressiveGenerator(SequenceGenerator):
         # shorter drafts); GAD++ reads the top-beta of every slot
         slots = None
         if self.beta == 1 and bool(pad_h.any()):
-            slots = Slots((~pad_h).view(-1).nonzero().squeeze(1).to(dev), n, m)
+            slots = Slots.real(pad_h, dev)
         best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, steps_h, at_max, slots)
         g.encoder_outs = None
         self.counters.model_seconds += time.perf_counter() - t

@@ -75,6 +75,13 @@ class Slots:
     def __init__(self, index: Tensor, n: int, m: int):
         self.index, self.n, self.m = index, n, m
 
+    @classmethod
+    def real(cls, pad: Tensor, device=None) -> Slots:
+        """The slots of a block whose padding mask is `pad` [N, m] (best given on the host, so
+        finding them costs no device sync), indices moved to `device`."""
+        n, m = pad.shape
+        return cls((~pad).view(-1).nonzero().squeeze(1).to(device or pad.device), n, m)
+
     def pack(self, x: Tensor) -> Tensor:
         """[N, m, C] -> [T, C]."""
         return x.reshape(self.n * self.m, x.size(-1)).index_select(0, self.index)
