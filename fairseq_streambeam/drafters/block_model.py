@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..runtime.block_step import cached_length, compact, keep_rows, truncate_slots
 from ..runtime.cache import cat_incremental_states, encoder_out_stand_in
+from ..runtime.lean_encoder import encode
 
 
 @dataclass
@@ -89,7 +90,7 @@ class ModelDrafter:
         if g.built:
             enc = encoder_out_stand_in(self.model, n, dev)[0]
         else:  # the first pass of this group caches the cross-attention keys
-            enc = self.model.encoder.forward_torchscript(g.srcs.subset_input(g.rows))
+            enc = encode(self.model.encoder, g.srcs.subset_input(g.rows))
         logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state, max_position=top)
         truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
         for i, p in enumerate(g.pending):

@@ -42,6 +42,7 @@ from ..runtime.cache import (
 )
 from ..runtime.counters import Counters
 from ..runtime.draft_budget import DraftBudget, DraftSwitch
+from ..runtime.lean_encoder import forward_encoder
 from ..runtime.lean_layer import Slots
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.penalties import FairseqPenalties
@@ -139,7 +140,7 @@ class AggressiveGenerator(SequenceGenerator):
 
     def _admit(self, srcs: Sources, new: List[int]) -> Group:
         t = time.perf_counter()
-        enc = self.model.forward_encoder(srcs.subset_input(new))
+        enc = forward_encoder(self.model, srcs.subset_input(new))
         draft = self.drafter.open(srcs, new)
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..runtime.cache import DecoderCache, check_incremental, check_vocabulary, needs_encoder_out_each_step
 from ..runtime.counters import Counters
+from ..runtime.lean_encoder import forward_encoder
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.base import ScorerStack
 from ..scorers.penalties import FairseqPenalties
@@ -251,7 +252,7 @@ class StreamBeamGenerator(SequenceGenerator):
                serial: int) -> Cohort:
         """Encode sources `new` (window rows) together and start their beams."""
         t = self._tick()
-        enc = self.model.forward_encoder(srcs.subset_input(new))
+        enc = forward_encoder(self.model, srcs.subset_input(new))
         self.counters.model_seconds += self._tock(t)
         self.counters.encoder_calls += 1
         dtype = torch.float32

@@ -35,7 +35,7 @@ IncState = Dict[str, Dict[str, Optional[Tensor]]]
 _INFERENCE_DROPOUT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def _plain_attention(mha: Optional[MultiheadAttention]) -> bool:
+def plain_attention(mha: Optional[MultiheadAttention]) -> bool:
     if mha is None:
         return True
     return (type(mha).forward is MultiheadAttention.forward
@@ -50,21 +50,25 @@ def _static_support(layer) -> bool:
             and type(layer).residual_connection is base.residual_connection
             and not layer.cross_self_attention
             and all(getattr(layer, name, None) is None for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"))
-            and layer.self_attn.self_attention and _plain_attention(layer.self_attn)
+            and layer.self_attn.self_attention and plain_attention(layer.self_attn)
             and (layer.encoder_attn is None or layer.encoder_attn.encoder_decoder_attention)
-            and _plain_attention(layer.encoder_attn))
+            and plain_attention(layer.encoder_attn))
 
 
 def supports_lean(layer) -> bool:
     """True when `lean_layers` computes what fairseq's forward computes for `layer`: a standard
     decoder layer in inference mode, with no dropout applied at inference (`--retain-dropout`)."""
-    if layer.training or not _static_support(layer):
-        return False
-    dropout = _INFERENCE_DROPOUT.get(layer)
+    return not layer.training and _static_support(layer) and not applies_dropout(layer)
+
+
+def applies_dropout(module: torch.nn.Module) -> bool:
+    """True when some FairseqDropout inside `module` drops at inference (`--retain-dropout`);
+    cached per module."""
+    dropout = _INFERENCE_DROPOUT.get(module)
     if dropout is None:
-        dropout = any(isinstance(m, FairseqDropout) and m.p > 0 and m.apply_during_inference for m in layer.modules())
-        _INFERENCE_DROPOUT[layer] = dropout
-    return not dropout
+        dropout = any(isinstance(m, FairseqDropout) and m.p > 0 and m.apply_during_inference for m in module.modules())
+        _INFERENCE_DROPOUT[module] = dropout
+    return dropout
 
 
 class Slots:
