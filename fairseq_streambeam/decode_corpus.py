@@ -52,11 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--decoding", default="var-stream",
                    choices=["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad"])
     p.add_argument("--drafter", help="--decoding gad: block_drafter checkpoint")
+    p.add_argument("--draft-lookup", help="--decoding gad, instead of --drafter: target-side text (tokenized and "
+                                          "segmented like the model's target) whose n-grams make the drafts")
     p.add_argument("--gad-beta", type=int, default=1, help="--decoding gad: 1 = greedy output, >1 = GAD++")
     p.add_argument("--gad-tau", type=float, default=float("inf"), help="--decoding gad++: log-prob tolerance")
     p.add_argument("--no-draft-switch", action="store_true",
-                   help="--decoding gad: draft in every pass (default: passes skip a drafter that costs more "
-                        "time per token than it saves; output unchanged)")
+                   help="--decoding gad: draft in every pass (default with --drafter: passes skip a drafter that "
+                        "costs more time per token than it saves; output unchanged)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--lenpen", type=float, default=1.0)
     p.add_argument("--max-len-a", type=float, default=0)
@@ -173,7 +175,8 @@ class ShardDecoder:
         torch.set_num_threads(args.threads)
         cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
                                train_subset="train", dataset_impl=None, required_seq_len_multiple=1,
-                               decoding=args.decoding, drafter=args.drafter, gad_beta=args.gad_beta,
+                               decoding=args.decoding, drafter=args.drafter, draft_lookup=args.draft_lookup,
+                               gad_beta=args.gad_beta,
                                gad_tau=args.gad_tau, no_draft_switch=args.no_draft_switch)
         self.task = StreamBeamTranslationTask.setup_task(cfg)
         self.models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=self.task)

@@ -81,6 +81,19 @@ def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
         _bench(tiny_run, tmp_path / "x", "--methods", "gad", "--beam", "1")  # no --drafter
 
 
+def test_lookup_drafter_in_the_harness(tiny_run, tmp_path):
+    """configs/gad_lookup.json: gad-lookup drafts from an n-gram table of target-side text."""
+    data, _ = tiny_run
+    rows = _bench(tiny_run, tmp_path, "--config", str(REPO / "configs" / "gad_lookup.json"), "--no-plots",
+                  "--draft-lookup", str(data.parent / "train.tgt"))
+    by = {r["method"]: r for r in rows}
+    assert {"gad-lookup", "gad-lookup[draft_switch=true]", "no-draft"} <= set(by)
+    for name in ("gad-lookup", "gad-lookup[draft_switch=true]"):
+        assert by[name]["identical_to_exact_ref"] >= 0.95 and by[name]["accepted_per_pass"] >= 1, name
+    with pytest.raises(SystemExit):
+        _bench(tiny_run, tmp_path / "x", "--methods", "gad-lookup", "--beam", "1")  # no --draft-lookup
+
+
 def test_configs_and_sweeps_expand():
     for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep", "iad_bounds"):
         settings, variants = load_config(str(REPO / "configs" / f"{name}.json"))

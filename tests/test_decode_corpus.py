@@ -102,7 +102,8 @@ def test_bad_shard_size():
 
 
 def test_gad_corpus_equals_greedy(corpus, tiny_drafter, tmp_path):
-    """--decoding gad with a drafter writes greedy's outputs (bad lines included) and counts passes."""
+    """--decoding gad with a drafter, or with lookup drafts, writes greedy's outputs (bad lines included)
+    and counts passes."""
     args, n = corpus
     i = args.index("--decoding")
     base = args[:i] + args[i + 4:]  # without "--decoding var-stream --beam 3"
@@ -113,6 +114,10 @@ def test_gad_corpus_equals_greedy(corpus, tiny_drafter, tmp_path):
     assert decode_main([*base, "--decoding", "gad", "--drafter", str(drafter), "--no-draft-switch",
                         "--output-dir", str(tmp_path / "gad-always")]) == 0
     greedy = (tmp_path / "greedy" / "output.txt").read_text(encoding="utf-8")
+    # greedy's own output (words: the tiny model has no BPE) as the n-gram table of lookup drafts
+    assert decode_main([*base, "--decoding", "gad", "--draft-lookup", str(tmp_path / "greedy" / "output.txt"),
+                        "--output-dir", str(tmp_path / "lookup")]) == 0
+    assert (tmp_path / "lookup" / "output.txt").read_text(encoding="utf-8") == greedy
     assert (tmp_path / "gad" / "output.txt").read_text(encoding="utf-8") == greedy
     assert (tmp_path / "gad-always" / "output.txt").read_text(encoding="utf-8") == greedy
     assert greedy.count("\n") == n

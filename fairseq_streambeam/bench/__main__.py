@@ -24,7 +24,7 @@ from .variants import BUILTIN, Variant, load_config, parse_methods
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
                 stream_window=32, repeats=1, threads=1, limit=0, finalize="auto",
                 methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam", drafter=None,
-                corpus_order=False)
+                draft_lookup=None, corpus_order=False)
 
 
 def parse_args(argv=None):
@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--lmbr-p", type=float, default=0.85)
     p.add_argument("--lmbr-r", type=float, default=0.72)
     p.add_argument("--drafter", help="block_drafter checkpoint for the gad methods (scripts/train_drafter.sh)")
+    p.add_argument("--draft-lookup", help="target-side text for the gad-lookup method's n-gram table (see "
+                                          "--draft-lookup of fairseq-generate)")
     p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -135,8 +137,10 @@ def main(argv=None):
     print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']} "
           f"({order}), {settings['repeats']} repeat(s): {', '.join(v.name for v in variants)}", flush=True)
 
-    if any(v.decoding == "gad" for v in variants) and not settings["drafter"]:
+    if any(v.decoding == "gad" and not v.lookup for v in variants) and not settings["drafter"]:
         raise SystemExit("the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)")
+    if any(v.lookup for v in variants) and not settings["draft_lookup"]:
+        raise SystemExit("the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)")
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
     ct2 = _ct2_translator(args, variants, threads)
     oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
@@ -258,6 +262,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     from fairseq import utils
 
     from fairseq_streambeam.drafters.oracle import NoDrafter, OracleDrafter
+    from fairseq_streambeam.runtime.draft_budget import DraftSwitch
 
     task.cfg.decoding = TASK_DECODING.get(v.decoding, v.decoding)
     variable = v.decoding.startswith("var-")
@@ -271,7 +276,8 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.stream_candidates = v.candidates
     task.cfg.draft_min_reach = v.draft_min_reach  # None: the task's per-decoding default
     gad = v.decoding == "gad"
-    task.cfg.drafter = settings.get("drafter") if gad else None
+    task.cfg.drafter = settings.get("drafter") if gad and not v.lookup else None
+    task.cfg.draft_lookup = settings.get("draft_lookup") if gad and v.lookup else None
     task.cfg.gad_beta = (v.gad_beta or 1) if gad else 1
     task.cfg.gad_tau = v.gad_tau if gad and v.gad_tau is not None else math.inf
     task.cfg.no_draft_switch = gad and v.draft_switch is False
@@ -286,6 +292,8 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
         gen.drafter = OracleDrafter(oracle, v.block_size or 8)
     if v.decoding == "no-draft":
         gen.drafter = NoDrafter()
+    if gad and v.draft_switch and task.cfg.gad_beta == 1 and gen.draft_switch is None:
+        gen.draft_switch = DraftSwitch()  # the task leaves it off for lookup drafts: measured against that
     counters = getattr(gen, "counters", None)
     if counters is not None:
         counters.trace = []

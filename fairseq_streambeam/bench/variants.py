@@ -29,13 +29,14 @@ class Variant:
     gad_tau: Optional[float] = None  # gad++: log-prob tolerance to the verifier's top-1
     draft_min_reach: Optional[float] = None  # aggressive decoding: adaptive draft cap (--draft-min-reach)
     draft_switch: Optional[bool] = None  # gad: passes without drafts when cheaper (False = --no-draft-switch)
+    lookup: bool = False  # gad: draft from the run's --draft-lookup n-gram table instead of its --drafter
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
             raise ValueError(f"variant {self.name!r}: unknown decoding {self.decoding!r}; choose from {DECODINGS}")
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "lmbr" and v is False)}
+        return {k: v for k, v in asdict(self).items() if v is not None and not (k in ("lmbr", "lookup") and v is False)}
 
 
 BUILTIN: Dict[str, Variant] = {
@@ -51,6 +52,7 @@ BUILTIN: Dict[str, Variant] = {
     "iad": Variant("iad", "iad", beam=1),
     "gad": Variant("gad", "gad", beam=1),  # needs the run's --drafter
     "gad++": Variant("gad++", "gad", beam=1, gad_beta=3, gad_tau=1.0),
+    "gad-lookup": Variant("gad-lookup", "gad", beam=1, lookup=True),  # needs the run's --draft-lookup
     # the aggressive generator with a drafter that drafts greedy's own output: the bound of any drafter
     "gad-oracle": Variant("gad-oracle", "gad-oracle", beam=1, block_size=8),
     # the same generator drafting nothing (one token per pass): its own speed as a greedy decoder
