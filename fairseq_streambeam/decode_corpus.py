@@ -57,8 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--gad-beta", type=int, default=1, help="--decoding gad: 1 = greedy output, >1 = GAD++")
     p.add_argument("--gad-tau", type=float, default=float("inf"), help="--decoding gad++: log-prob tolerance")
     p.add_argument("--no-draft-switch", action="store_true",
-                   help="--decoding gad: draft in every pass (default with --drafter: passes skip a drafter that "
-                        "costs more time per token than it saves; output unchanged)")
+                   help="--decoding gad: draft in every pass (default: passes skip drafts that cost more "
+                        "time per token than they save; output unchanged)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--lenpen", type=float, default=1.0)
     p.add_argument("--max-len-a", type=float, default=0)

@@ -81,11 +81,10 @@ class StreamBeamConfig(TranslationConfig):
                                         "the model's target; best the model's greedy output on training "
                                         "sources) and from repeats in the output itself: no drafter model"})
     draft_lookup_order: int = field(
-        default=3, metadata={"help": "gad with --draft-lookup: longest context of the n-gram table"})
+        default=2, metadata={"help": "gad with --draft-lookup: longest context of the n-gram table"})
     no_draft_switch: bool = field(
-        default=False, metadata={"help": "gad: draft in every pass (default with --gad-beta 1 and a --drafter "
-                                         "model: passes go without the drafter while those cost less time per "
-                                         "output token, "
+        default=False, metadata={"help": "gad: draft in every pass (default with --gad-beta 1: passes go "
+                                         "without drafts while those cost less time per output token, "
                                          "re-measured now and then; output unchanged. GAD++ always drafts: "
                                          "its output depends on the drafts)"})
     gad_beta: int = field(

@@ -121,10 +121,7 @@ class StreamBeamTranslationTask(TranslationTask):
             models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
             budget=self.budget, refill_eps=c.refill_eps, beta=c.gad_beta, tau=c.gad_tau,
             draft_min_reach=c.draft_min_reach if c.draft_min_reach is not None else AUTO_MIN_REACH[name],
-            # the switch pays off for a drafter model (a pass with it costs ~2.3 without); lookup drafts
-            # cost nothing to make, and with the switch measured slower (deen-tiny, batch 1: 0.73x
-            # against 0.67x greedy's time)
-            draft_switch=name == "gad" and bool(c.drafter) and c.gad_beta == 1 and not c.no_draft_switch,
+            draft_switch=name == "gad" and c.gad_beta == 1 and not c.no_draft_switch,
         )
         _report_at_exit(gen, name)
         return gen

@@ -87,8 +87,8 @@ def test_lookup_drafter_in_the_harness(tiny_run, tmp_path):
     rows = _bench(tiny_run, tmp_path, "--config", str(REPO / "configs" / "gad_lookup.json"), "--no-plots",
                   "--draft-lookup", str(data.parent / "train.tgt"))
     by = {r["method"]: r for r in rows}
-    assert {"gad-lookup", "gad-lookup[draft_switch=true]", "no-draft"} <= set(by)
-    for name in ("gad-lookup", "gad-lookup[draft_switch=true]"):
+    assert {"gad-lookup", "gad-lookup[draft_switch=false]", "no-draft"} <= set(by)
+    for name in ("gad-lookup", "gad-lookup[draft_switch=false]"):
         assert by[name]["identical_to_exact_ref"] >= 0.95 and by[name]["accepted_per_pass"] >= 1, name
     with pytest.raises(SystemExit):
         _bench(tiny_run, tmp_path / "x", "--methods", "gad-lookup", "--beam", "1")  # no --draft-lookup

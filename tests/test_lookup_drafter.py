@@ -31,13 +31,14 @@ BOS = EOS = 2
 
 
 def test_table_keeps_the_most_frequent_continuation_of_the_longest_context():
-    t = NgramTable.from_sequences([[5, 6, 7, 2], [5, 6, 8, 2], [5, 6, 8, 2], [9, 5, 6, 7, 2]], vocab=12, bos=BOS)
+    t = NgramTable.from_sequences([[5, 6, 7, 2], [5, 6, 8, 2], [5, 6, 8, 2], [9, 5, 6, 7, 2]], vocab=12, bos=BOS,
+                                  order=3)
     assert t.next([BOS, 5, 6]) == 8  # 8 twice, 7 once after "BOS 5 6"
     assert t.next([9, 5, 6]) == 7  # the longer context decides
     assert t.next([4, 5, 6]) == 7  # unseen: back off to "5 6" (7 and 8 twice each: the smaller id)
     assert t.next([BOS]) == 5
     assert t.next([11]) is None
-    assert t.next([11, 6], shortest=2) is None and t.next([11, 6]) == 7
+    assert t.next([11, 6]) == 7  # "6" alone: 7 twice, 8 twice
 
 
 def test_drafts_repeat_the_output_then_follow_the_table():
@@ -46,7 +47,8 @@ def test_drafts_repeat_the_output_then_follow_the_table():
     assert d.draft([], 4) == [5, 6, 8, 2]  # from BOS alone, stopping at EOS
     assert d.draft([3, 4, 9, 3, 4], 4) == [9, 3, 4]  # "3 4" was followed by "9 3 4" earlier
     assert d.draft([11, 5, 6], 4) == [8, 2]  # "5 6" -> 8, "6 8" -> EOS
-    assert d.draft([11, 10, 5], 4) == []  # no context of 2 tokens known ("5" alone is not enough)
+    assert d.draft([11, 10, 5], 4) == [6, 8, 2]  # "10 5" unseen: "5" alone
+    assert d.draft([11, 10], 4) == []  # nothing known after "10"
     assert d.draft([5, 6], 0) == []
 
 

@@ -262,7 +262,6 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     from fairseq import utils
 
     from fairseq_streambeam.drafters.oracle import NoDrafter, OracleDrafter
-    from fairseq_streambeam.runtime.draft_budget import DraftSwitch
 
     task.cfg.decoding = TASK_DECODING.get(v.decoding, v.decoding)
     variable = v.decoding.startswith("var-")
@@ -292,8 +291,6 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
         gen.drafter = OracleDrafter(oracle, v.block_size or 8)
     if v.decoding == "no-draft":
         gen.drafter = NoDrafter()
-    if gad and v.draft_switch and task.cfg.gad_beta == 1 and gen.draft_switch is None:
-        gen.draft_switch = DraftSwitch()  # the task leaves it off for lookup drafts: measured against that
     counters = getattr(gen, "counters", None)
     if counters is not None:
         counters.trace = []
