@@ -87,7 +87,8 @@ def test_drafter_cache_equals_recomputing_every_draft(skips):
     if skips is not None:
         coin = random.Random(0)  # these patterns were seen to give the event
         pattern = iter([False, False, True] * 100)
-        gen.draft_switch.drafting = (lambda: next(pattern)) if skips == "drop" else (lambda: coin.random() < 0.4)
+        gen.draft_switch.drafting = ((lambda rows: next(pattern)) if skips == "drop"
+                                     else (lambda rows: coin.random() < 0.4))
         feed, drop = rec._feed, rec._drop
         rec._feed = lambda g, k: events.append(k) or feed(g, k)
         rec._drop = lambda g: events.append("drop") or drop(g)
@@ -367,6 +368,21 @@ def test_draft_switch_uses_the_cheaper_mode_and_probes_the_other():
     for _ in range(40):  # now drafting is cheaper: the switch goes back to drafting
         step(lambda on: 0.2 if on else 1.0)
     assert sum(modes[-20:]) >= 17
+
+
+def test_draft_switch_decides_per_band_of_live_rows():
+    """Drafting pays with one live row and loses with 32: interleaved passes of both sizes each
+    settle on their own mode (one shared average would compare the two regimes)."""
+    sw = DraftSwitch(first_probe=2, max_probe=8)
+    modes: dict = {1: [], 32: []}
+    for i in range(120):
+        rows = 1 if i % 3 else 32
+        on = sw.drafting(rows)
+        modes[rows].append(on)
+        per_token = (0.5 if on else 1.0) if rows == 1 else (0.3 if on else 0.1)
+        sw.record(on, per_token, 1)
+    assert sum(modes[1][-30:]) >= 26  # drafting, apart from probes
+    assert sum(modes[32][-20:]) <= 4  # no drafts, apart from probes
 
 
 class SlowDrafter(ModelDrafter):

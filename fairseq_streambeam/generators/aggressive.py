@@ -162,7 +162,7 @@ class AggressiveGenerator(SequenceGenerator):
         caps = [r.max_len - len(r.out) for r in g.rows]
         worth = self.draft_budget.cap(max(caps))
         switch = self.draft_switch
-        if switch is not None and not switch.drafting():
+        if switch is not None and not switch.drafting(n):
             worth = 0
         timed = g.encoder_outs is None  # a group's first pass also caches the encoder keys: not timed
         caps = [min(c, worth) for c in caps]
