@@ -23,7 +23,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from torch import Tensor
 
-from .lean_layer import applies_dropout, plain_attention
+from .lean_layer import applies_dropout, feed_forward, plain_attention
 
 _SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
@@ -107,13 +107,7 @@ def _layer(layer, x: Tensor, mask: Optional[Tensor]) -> Tensor:
     x = residual + _self_attention(layer.self_attn, x, mask)
     if not pre:
         x = layer.self_attn_layer_norm(x)
-    residual = x
-    if pre:
-        x = layer.final_layer_norm(x)
-    x = residual + layer.fc2(layer.activation_fn(layer.fc1(x)))
-    if not pre:
-        x = layer.final_layer_norm(x)
-    return x
+    return feed_forward(layer, x)
 
 
 def _self_attention(mha, x: Tensor, mask: Optional[Tensor]) -> Tensor:

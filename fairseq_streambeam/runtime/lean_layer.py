@@ -164,11 +164,17 @@ def _layer(layer, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], 
         x = residual + _cross_attention(layer.encoder_attn, x, enc, enc_mask, state, cross_add, slots)
         if not pre:
             x = layer.encoder_attn_layer_norm(x)
+    return feed_forward(layer, x)
+
+
+def feed_forward(layer, x: Tensor) -> Tensor:
+    """The feed-forward sublayer of a fairseq encoder or decoder layer, with its residual and its
+    layer norm before or after (`normalize_before`), in fairseq's order of operations."""
     residual = x
-    if pre:
+    if layer.normalize_before:
         x = layer.final_layer_norm(x)
     x = residual + layer.fc2(layer.activation_fn(layer.fc1(x)))
-    if not pre:
+    if not layer.normalize_before:
         x = layer.final_layer_norm(x)
     return x
 
