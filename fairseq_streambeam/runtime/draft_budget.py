@@ -82,7 +82,7 @@ class DraftSwitch:
         """Draft in this pass of `rows` live rows?"""
         key = (max(rows, 1).bit_length() + 1) // 2  # 1-3 -> 1, 4-15 -> 2, 16-63 -> 3, ...
         if key not in self.bands:
-            self.bands[key] = _Band(self.first_probe)
+            self.bands[key] = _Band(self.first_probe, self.max_probe, self.alpha)
         self.band = self.bands[key]
         return self.band.drafting()
 
@@ -90,13 +90,14 @@ class DraftSwitch:
         """The pass just decided took `seconds` for `tokens` output tokens, with (`drafted`) or
         without drafts."""
         if self.band is not None:
-            self.band.record(drafted, seconds, tokens, self.alpha, self.first_probe, self.max_probe)
+            self.band.record(drafted, seconds, tokens)
 
 
 class _Band:
     """DraftSwitch's averages and decision for one band of row counts."""
 
-    def __init__(self, first_probe: int):
+    def __init__(self, first_probe: int, max_probe: int, alpha: float):
+        self.first_probe, self.max_probe, self.alpha = first_probe, max_probe, alpha
         self.rate: dict = {True: None, False: None}  # seconds per accepted token, drafting or not
         self.mode = True  # drafting until measured otherwise
         self.wait = first_probe  # passes in `mode` before the other mode is measured again
@@ -107,20 +108,19 @@ class _Band:
         self.probing = self.since >= self.wait or self.rate[not self.mode] is None and self.since >= 1
         return (not self.mode) if self.probing else self.mode
 
-    def record(self, drafted: bool, seconds: float, tokens: int, alpha: float, first_probe: int,
-               max_probe: int) -> None:
+    def record(self, drafted: bool, seconds: float, tokens: int) -> None:
         if tokens <= 0:
             return
         r = seconds / tokens
         old = self.rate[drafted]
-        weight = 0.5 if self.probing else alpha  # a probed mode is measured rarely: weigh it more
-        self.rate[drafted] = r if old is None else old + weight * (r - old)
+        alpha = 0.5 if self.probing else self.alpha  # a probed mode is measured rarely: weigh it more
+        self.rate[drafted] = r if old is None else old + alpha * (r - old)
         if not self.probing:
             self.since += 1
             return
         self.since, self.probing = 0, False
         other = self.rate[not self.mode]
         if other is not None and self.rate[self.mode] is not None and other < self.rate[self.mode]:
-            self.mode, self.wait = not self.mode, first_probe  # the other mode is cheaper: use it
+            self.mode, self.wait = not self.mode, self.first_probe  # the other mode is cheaper: use it
         else:
-            self.wait = min(2 * self.wait, max_probe)
+            self.wait = min(2 * self.wait, self.max_probe)
