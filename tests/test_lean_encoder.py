@@ -59,6 +59,9 @@ def test_unsupported_encoders_fall_back_to_fairseq():
     retained = random_transformer(D, 5, dropout=0.1)
     retained.encoder.layers[0].dropout_module.apply_during_inference = True  # fairseq --retain-dropout
     assert not supports_lean_encoder(retained.encoder)
+    hooked = random_transformer(D, 6)
+    hooked.encoder.layers[1].self_attn.k_proj.register_forward_hook(lambda module, args, out: None)
+    assert not supports_lean_encoder(hooked.encoder)
     net = make_sample(D, random_sentences(D, 3, seed=2))["net_input"]
     torch.manual_seed(0)
     with torch.no_grad():

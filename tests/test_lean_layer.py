@@ -105,6 +105,10 @@ def test_unsupported_layers_fall_back_to_fairseq():
     retained = random_transformer(D, 1, dropout=0.1)
     retained.decoder.layers[0].dropout_module.apply_during_inference = True  # fairseq --retain-dropout
     assert not supports_lean(retained.decoder.layers[0])
+    hooked = random_transformer(D, 1)  # quant-noise works by a forward pre-hook on its Linear
+    hooked.decoder.layers[0].fc1.register_forward_pre_hook(lambda module, args: None)
+    assert not supports_lean(hooked.decoder.layers[0])
+    assert supports_lean(hooked.decoder.layers[1])
 
 
 @pytest.mark.parametrize("options", [{"scale_attn": True}, {"decoder_normalize_before": True}])

@@ -23,7 +23,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from torch import Tensor
 
-from .lean_layer import applies_dropout, feed_forward, plain_attention
+from .lean_layer import applies_dropout, feed_forward, layer_modules, linear, norm, plain_attention, plain_modules
 
 _SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
@@ -34,7 +34,8 @@ def _layer_support(layer) -> bool:
             and type(layer).residual_connection is base.residual_connection
             and not layer.return_fc and plain_attention(layer.self_attn)
             and not getattr(layer.self_attn, "use_xformers", False)
-            and not getattr(layer.self_attn, "skip_embed_dim_check", False))
+            and not getattr(layer.self_attn, "skip_embed_dim_check", False)
+            and plain_modules(*layer_modules(layer)))
 
 
 def supports_lean_encoder(encoder) -> bool:
@@ -103,10 +104,10 @@ def _layer(layer, x: Tensor, mask: Optional[Tensor]) -> Tensor:
     pre = layer.normalize_before
     residual = x
     if pre:
-        x = layer.self_attn_layer_norm(x)
+        x = norm(layer.self_attn_layer_norm, x)
     x = residual + _self_attention(layer.self_attn, x, mask)
     if not pre:
-        x = layer.self_attn_layer_norm(x)
+        x = norm(layer.self_attn_layer_norm, x)
     return feed_forward(layer, x)
 
 
@@ -118,7 +119,7 @@ def _self_attention(mha, x: Tensor, mask: Optional[Tensor]) -> Tensor:
     def heads(p: Tensor) -> Tensor:  # [T, B, C] -> [B, H, T, d], the layout torch's path gives SDPA
         return p.view(t, b * h, d).transpose(0, 1).view(b, h, t, d)
 
-    q, k, v = heads(mha.q_proj(x)), heads(mha.k_proj(x)), heads(mha.v_proj(x))
+    q, k, v = heads(linear(mha.q_proj, x)), heads(linear(mha.k_proj, x)), heads(linear(mha.v_proj, x))
     out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, False)
     out = out.permute(2, 0, 1, 3).contiguous().view(b * t, c)
-    return mha.out_proj(out).view(t, b, c)
+    return linear(mha.out_proj, out).view(t, b, c)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
-from torch import Tensor
+from torch import Tensor, nn
 
 IncState = Dict[str, Dict[str, Optional[Tensor]]]
 
@@ -44,7 +44,46 @@ def plain_attention(mha: Optional[MultiheadAttention]) -> bool:
             and not mha.onnx_trace and mha.beam_size == 1)
 
 
+def plain_modules(*modules) -> bool:
+    """True when each module is exactly torch's Linear or LayerNorm (or None) with no hooks, so
+    `linear` and `norm` compute what calling it computes (quant-noise, for one, works by a hook)."""
+    return all(m is None or (type(m) in (nn.Linear, nn.LayerNorm) and not m._forward_hooks
+                             and not m._forward_pre_hooks) for m in modules)
+
+
+def linear(module: nn.Linear, x: Tensor) -> Tensor:
+    """`module(x)` for a `plain_modules` Linear, without Module.__call__ (a few microseconds per
+    call, tens of calls per pass of a small model)."""
+    return F.linear(x, module.weight, module.bias)
+
+
+def norm(module: nn.LayerNorm, x: Tensor) -> Tensor:
+    """`module(x)` for a `plain_modules` LayerNorm, without Module.__call__."""
+    return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+
+
+def layer_modules(layer) -> tuple:
+    """The projections and layer norms a lean encoder or decoder layer calls."""
+    attn = [layer.self_attn]
+    if getattr(layer, "encoder_attn", None) is not None:
+        attn.append(layer.encoder_attn)
+    projections = [getattr(mha, name) for mha in attn for name in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    norms = [getattr(layer, name, None) for name in ("self_attn_layer_norm", "encoder_attn_layer_norm",
+                                                     "final_layer_norm")]
+    return (*projections, layer.fc1, layer.fc2, *norms)
+
+
+_STATIC: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
 def _static_support(layer) -> bool:
+    hit = _STATIC.get(layer)
+    if hit is None:
+        hit = _STATIC[layer] = _layer_support(layer)
+    return hit
+
+
+def _layer_support(layer) -> bool:
     base = TransformerDecoderLayerBase
     return (isinstance(layer, base) and type(layer).forward is base.forward
             and type(layer).residual_connection is base.residual_connection
@@ -52,12 +91,13 @@ def _static_support(layer) -> bool:
             and all(getattr(layer, name, None) is None for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"))
             and layer.self_attn.self_attention and plain_attention(layer.self_attn)
             and (layer.encoder_attn is None or layer.encoder_attn.encoder_decoder_attention)
-            and plain_attention(layer.encoder_attn))
+            and plain_attention(layer.encoder_attn) and plain_modules(*layer_modules(layer)))
 
 
 def supports_lean(layer) -> bool:
     """True when `lean_layers` computes what fairseq's forward computes for `layer`: a standard
-    decoder layer in inference mode, with no dropout applied at inference (`--retain-dropout`)."""
+    decoder layer in inference mode, with no dropout applied at inference (`--retain-dropout`).
+    The layer's structure is checked once per layer (modules are not expected to be swapped)."""
     return not layer.training and _static_support(layer) and not applies_dropout(layer)
 
 
@@ -153,17 +193,17 @@ def _layer(layer, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], 
     pre = layer.normalize_before
     residual = x
     if pre:
-        x = layer.self_attn_layer_norm(x)
+        x = norm(layer.self_attn_layer_norm, x)
     x = residual + _self_attention(layer.self_attn, x, state, key_mask, self_add, slots)
     if not pre:
-        x = layer.self_attn_layer_norm(x)
+        x = norm(layer.self_attn_layer_norm, x)
     if layer.encoder_attn is not None and enc is not None:  # as fairseq: no encoder output, no cross-attention
         residual = x
         if pre:
-            x = layer.encoder_attn_layer_norm(x)
+            x = norm(layer.encoder_attn_layer_norm, x)
         x = residual + _cross_attention(layer.encoder_attn, x, enc, enc_mask, state, cross_add, slots)
         if not pre:
-            x = layer.encoder_attn_layer_norm(x)
+            x = norm(layer.encoder_attn_layer_norm, x)
     return feed_forward(layer, x)
 
 
@@ -172,10 +212,10 @@ def feed_forward(layer, x: Tensor) -> Tensor:
     layer norm before or after (`normalize_before`), in fairseq's order of operations."""
     residual = x
     if layer.normalize_before:
-        x = layer.final_layer_norm(x)
-    x = residual + layer.fc2(layer.activation_fn(layer.fc1(x)))
+        x = norm(layer.final_layer_norm, x)
+    x = residual + linear(layer.fc2, layer.activation_fn(linear(layer.fc1, x)))
     if not layer.normalize_before:
-        x = layer.final_layer_norm(x)
+        x = norm(layer.final_layer_norm, x)
     return x
 
 
@@ -199,10 +239,10 @@ def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
 def _self_attention(mha: MultiheadAttention, x: Tensor, state: Optional[IncState], key_mask: Tensor,
                     add: Tensor, slots: Optional[Slots]) -> Tensor:
     h, d = mha.num_heads, mha.head_dim
-    q = _block(mha.q_proj(x) * mha.scaling, slots)
+    q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
-    k = _block(mha.k_proj(x), slots).view(n, m, h, d).transpose(1, 2)
-    v = _block(mha.v_proj(x), slots).view(n, m, h, d).transpose(1, 2)
+    k = _block(linear(mha.k_proj, x), slots).view(n, m, h, d).transpose(1, 2)
+    v = _block(linear(mha.v_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     if state is not None:
         buf = mha._get_input_buffer(state)
         if buf.get("prev_key") is not None:
@@ -210,7 +250,7 @@ def _self_attention(mha: MultiheadAttention, x: Tensor, state: Optional[IncState
             v = torch.cat([buf["prev_value"], v], dim=2)  # type: ignore[list-item]
         buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, key_mask
         mha._set_input_buffer(state, buf)
-    return mha.out_proj(_packed(_attend(q, k, v, add, n, m), slots))
+    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots))
 
 
 def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
@@ -221,7 +261,7 @@ def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
 def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Tensor, enc_mask: Optional[Tensor],
                      state: Optional[IncState], add: Optional[Tensor], slots: Optional[Slots]) -> Tensor:
     """Cached encoder keys once the first block has stored them (`enc` is then a stand-in)."""
-    q = _block(mha.q_proj(x) * mha.scaling, slots)
+    q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
     h, d = mha.num_heads, mha.head_dim
     buf = mha._get_input_buffer(state) if state is not None else {}
@@ -229,9 +269,9 @@ def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Tensor, enc_mask: 
         k, v = buf["prev_key"], buf["prev_value"]
     else:
         s = enc.size(0)
-        k = mha.k_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()  # [S, N, C] -> [N, H, S, d]
-        v = mha.v_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
+        k = linear(mha.k_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()  # [S, N, C] -> [N, H, S, d]
+        v = linear(mha.v_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
         if state is not None:
             buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, enc_mask
             mha._set_input_buffer(state, buf)
-    return mha.out_proj(_packed(_attend(q, k, v, add, n, m), slots))  # type: ignore[arg-type]
+    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots))  # type: ignore[arg-type]
