@@ -111,6 +111,19 @@ def test_unsupported_layers_fall_back_to_fairseq():
     assert supports_lean(hooked.decoder.layers[1])
 
 
+def test_vocabulary_projection_of_a_block_equals_fairseqs():
+    """block_step.output_layer: a transposed copy for blocks of 4+ rows on the CPU, the same
+    values as fairseq's projection (float64), and a fresh copy after the weight changes."""
+    dec = random_transformer(D, 12).double().decoder
+    x = torch.randn(3, 5, dec.output_projection.weight.size(1), dtype=torch.float64)
+    with torch.no_grad():
+        for rows in (x[:1, :1], x[:1, :3], x[:1, :4], x):
+            assert torch.allclose(block_step.output_layer(dec, rows), dec.output_layer(rows), atol=1e-12)
+        assert dec.output_projection in block_step._TRANSPOSED
+        dec.output_projection.weight.mul_(2)  # in place: the copy must follow
+        assert torch.allclose(block_step.output_layer(dec, x), dec.output_layer(x), atol=1e-12)
+
+
 @pytest.mark.parametrize("options", [{"scale_attn": True}, {"decoder_normalize_before": True}])
 def test_iad_equals_greedy_on_either_path(options):
     m = random_transformer(D, 11, eos_bias=2.0, **options).double()
