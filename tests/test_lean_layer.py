@@ -124,6 +124,20 @@ def test_vocabulary_projection_of_a_block_equals_fairseqs():
         assert torch.allclose(block_step.output_layer(dec, x), dec.output_layer(x), atol=1e-12)
 
 
+@pytest.mark.parametrize("learned", [False, True])
+def test_position_table_is_kept_and_follows_its_weights(learned):
+    """The block step's cached positional table equals a fresh probe at every length, grows past
+    what it holds, and a learned table is recomputed after its weight changes in place."""
+    dec = random_transformer(D, 14, decoder_learned_pos=learned).double().decoder
+    with torch.no_grad():
+        for length in (3, 2, 9, 40):
+            assert torch.equal(block_step._position_table(dec, length, "cpu"),
+                               block_step._probe_positions(dec, length, "cpu"))
+        if learned:
+            dec.embed_positions.weight.add_(1.0)
+            assert torch.equal(block_step._position_table(dec, 5, "cpu"), block_step._probe_positions(dec, 5, "cpu"))
+
+
 @pytest.mark.parametrize("options", [{"scale_attn": True}, {"decoder_normalize_before": True}])
 def test_iad_equals_greedy_on_either_path(options):
     m = random_transformer(D, 11, eos_bias=2.0, **options).double()

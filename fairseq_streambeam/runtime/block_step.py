@@ -35,10 +35,29 @@ def check_block_decoder(decoder) -> None:
         raise ValueError("aggressive decoding does not support --cross-self-attention decoders")
 
 
+_POSITIONS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()  # (table, version)
+
+
 def _position_table(decoder, length: int, device) -> Optional[Tensor]:
-    """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0)."""
-    if decoder.embed_positions is None:
+    """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0).
+    At inference the table is kept per decoder and grown by doubling (up to the decoder's
+    max_positions), not recomputed on every pass; a learned table is recomputed after its
+    weight changes."""
+    emb = decoder.embed_positions
+    if emb is None:
         return None
+    if torch.is_grad_enabled():
+        return _probe_positions(decoder, length, device)
+    weight = getattr(emb, "weight", None)
+    version = None if weight is None else (weight.data_ptr(), weight._version)
+    hit = _POSITIONS.get(emb)
+    if hit is None or hit[1] != version or hit[0].size(0) < length or hit[0].device != torch.device(device):
+        size = length if hit is None else max(length, min(2 * hit[0].size(0), decoder.max_positions()))
+        hit = _POSITIONS[emb] = (_probe_positions(decoder, size, device), version)
+    return hit[0][:length]
+
+
+def _probe_positions(decoder, length: int, device) -> Tensor:
     probe = torch.full((1, length), decoder.padding_idx + 1, dtype=torch.long, device=device)
     return decoder.embed_positions(probe)[0]
 
