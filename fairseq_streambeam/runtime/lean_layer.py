@@ -11,10 +11,13 @@ IAD 0.19x -> 0.18x; batch 32: within noise).
 reads and writes fairseq's cache layout (MultiheadAttention input buffers: `prev_key` and
 `prev_value` [N, H, L, Dh], `prev_key_padding_mask` [N, L]), so every cache utility in
 runtime.cache and runtime.block_step works on either path. The attention masks are built once
-per block for all layers. Layers with an option it does not implement (`supports_lean`) keep
-fairseq's own forward. Tried and dropped: one fused q/k/v product, and a self-attention cache
-grown in place instead of concatenated: no measurable gain on CPU, where these small products
-are bound by reading the weights.
+per block for all layers. Projections and layer norms are computed with F.linear and
+F.layer_norm on the modules' own weights (`linear`, `norm`): Module.__call__ costs a few
+microseconds, and a pass of a small model makes tens of these calls. Layers with an option it does
+not implement (`supports_lean`: among others, projections that are not plain torch modules or
+carry hooks, as quant-noise's do) keep fairseq's own forward. Tried and dropped: one fused q/k/v
+product, and a self-attention cache grown in place instead of concatenated: no measurable gain
+on CPU, where these small products are bound by reading the weights.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def _layer_support(layer) -> bool:
 def supports_lean(layer) -> bool:
     """True when `lean_layers` computes what fairseq's forward computes for `layer`: a standard
     decoder layer in inference mode, with no dropout applied at inference (`--retain-dropout`).
-    The layer's structure is checked once per layer (modules are not expected to be swapped)."""
+    The layer's structure is checked once per layer: modules swapped or hooks registered after a
+    layer's first pass are not seen."""
     return not layer.training and _static_support(layer) and not applies_dropout(layer)
 
 
