@@ -370,6 +370,24 @@ def test_draft_switch_uses_the_cheaper_mode_and_probes_the_other():
     assert sum(modes[-20:]) >= 17
 
 
+def test_draft_switch_compares_seconds_per_token_over_passes_not_per_pass():
+    """Drafting passes take 1.5 s and yield 1 or 5 tokens in turn (0.5 s per token); passes
+    without drafts take 0.8 s per token. The switch must keep drafting: an average of each pass's
+    own seconds per token (1.5 and 0.3: 0.9) would pick the passes without drafts."""
+    sw = DraftSwitch(first_probe=2, max_probe=8)
+    modes = []
+    drafted = 0
+    for _ in range(60):
+        on = sw.drafting()
+        modes.append(on)
+        if on:
+            drafted += 1
+            sw.record(True, 1.5, 1 if drafted % 2 else 5)
+        else:
+            sw.record(False, 0.8, 1)
+    assert sum(modes[-30:]) >= 26  # drafting, apart from probes
+
+
 def test_draft_switch_decides_per_band_of_live_rows():
     """Drafting pays with one live row and loses with 32: interleaved passes of both sizes each
     settle on their own mode (one shared average would compare the two regimes)."""

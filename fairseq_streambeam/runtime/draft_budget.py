@@ -58,11 +58,14 @@ class DraftSwitch:
 
     A drafter that is rarely right makes every pass dearer (GAD runs the drafter model each pass)
     while adding few tokens; then passes without drafts are faster, with the same output. The
-    switch keeps an exponential average of seconds per accepted token for passes with and without
-    drafts, uses the cheaper mode, and re-measures the other one now and then (one pass, weighed
-    at 0.5): after `first_probe` passes, doubling the wait (up to `max_probe`) each time it loses
-    again. Each pass ends in a host copy of its results, so the host clock sees the device's work
-    too (no extra sync).
+    switch keeps exponential averages of seconds and of accepted tokens per pass, with and without
+    drafts, uses the mode with fewer seconds per token (the ratio of the two averages), and
+    re-measures the other one now and then (one pass, weighed at 0.5): after `first_probe` passes,
+    doubling the wait (up to `max_probe`) each time it loses again. An average of each pass's own
+    seconds per token would overcharge drafting: a draft rejected at once yields 1 token and an
+    accepted one 5 for about the same time, and the mean of 1/tokens exceeds 1/(mean tokens). Each
+    pass ends in a host copy of its results, so the host clock sees the device's work too (no
+    extra sync).
 
     Time per token depends on how many rows a pass has (a batch's last rows pay a pass's fixed
     cost alone), so modes are only compared at similar row counts: each band of live rows (1-3,
@@ -98,29 +101,35 @@ class _Band:
 
     def __init__(self, first_probe: int, max_probe: int, alpha: float):
         self.first_probe, self.max_probe, self.alpha = first_probe, max_probe, alpha
-        self.rate: dict = {True: None, False: None}  # seconds per accepted token, drafting or not
+        self.seconds: dict = {True: None, False: None}  # averages per pass, drafting or not
+        self.tokens: dict = {True: None, False: None}
         self.mode = True  # drafting until measured otherwise
         self.wait = first_probe  # passes in `mode` before the other mode is measured again
         self.since = 0
         self.probing = False
 
     def drafting(self) -> bool:
-        self.probing = self.since >= self.wait or self.rate[not self.mode] is None and self.since >= 1
+        self.probing = self.since >= self.wait or self.seconds[not self.mode] is None and self.since >= 1
         return (not self.mode) if self.probing else self.mode
+
+    def rate(self, drafted: bool) -> Optional[float]:
+        """Seconds per accepted token in this mode (None before it is measured)."""
+        seconds, tokens = self.seconds[drafted], self.tokens[drafted]
+        return None if seconds is None or tokens is None else seconds / tokens
 
     def record(self, drafted: bool, seconds: float, tokens: int) -> None:
         if tokens <= 0:
             return
-        r = seconds / tokens
-        old = self.rate[drafted]
         alpha = 0.5 if self.probing else self.alpha  # a probed mode is measured rarely: weigh it more
-        self.rate[drafted] = r if old is None else old + alpha * (r - old)
+        for avg, value in ((self.seconds, seconds), (self.tokens, float(tokens))):
+            old = avg[drafted]
+            avg[drafted] = value if old is None else old + alpha * (value - old)
         if not self.probing:
             self.since += 1
             return
         self.since, self.probing = 0, False
-        other = self.rate[not self.mode]
-        if other is not None and self.rate[self.mode] is not None and other < self.rate[self.mode]:
+        other, current = self.rate(not self.mode), self.rate(self.mode)
+        if other is not None and current is not None and other < current:
             self.mode, self.wait = not self.mode, self.first_probe  # the other mode is cheaper: use it
         else:
             self.wait = min(2 * self.wait, self.max_probe)
