@@ -17,8 +17,13 @@ from helpers import (
 from fairseq_streambeam import Budget
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime import block_step
-from fairseq_streambeam.runtime.block_step import compact, forward_block, mask_slots
-from fairseq_streambeam.runtime.cache import encoder_out_stand_in, reorder_incremental_state
+from fairseq_streambeam.runtime.block_step import compact, forward_block, mask_slots, truncate_slots
+from fairseq_streambeam.runtime.cache import (
+    cat_incremental_states,
+    encoder_out_stand_in,
+    reorder_incremental_state,
+    without_padding_mask,
+)
 from fairseq_streambeam.runtime.lean_layer import Slots, supports_lean
 
 D = make_dict(30)
@@ -159,3 +164,55 @@ def test_no_encoder_output_means_no_cross_attention_on_both_paths(monkeypatch):
         monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
         got.append(forward_block(model.decoder, tokens, steps, empty, {}, pad))
     assert torch.allclose(got[0], got[1], atol=1e-10)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_lone_row_without_masks_equals_masked_blocks(lean, monkeypatch):
+    """A lone row's cache cut back after a rejected draft, with no key masks anywhere (no block
+    padding, no encoder padding mask, one-slot passes without a causal mask), gives the logits of
+    the masked rollback with all-False masks (float64)."""
+    monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
+    model = random_transformer(D, 11).double()
+    dec = model.decoder
+    sample = make_sample(D, random_sentences(D, 1, 12, min_len=6, max_len=6))
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    g = torch.Generator().manual_seed(3)
+    blocks = [torch.randint(D.nspecial, len(D), (1, m), generator=g) for m in (4, 1, 3, 1)]
+    kept = [2, 1, 3, 1]  # slots each block keeps (the rest is a rejected draft)
+    logits = {}
+    for masked_path in (True, False):
+        state: dict = {}
+        e = enc if masked_path else without_padding_mask([enc])[0]
+        length, out = 0, []
+        for i, (tokens, keep) in enumerate(zip(blocks, kept)):
+            m = tokens.size(1)
+            steps = length + torch.arange(m).unsqueeze(0)
+            ee = e if i == 0 else encoder_out_stand_in(model, 1, tokens.device)[0]
+            pad = torch.zeros(1, m, dtype=torch.bool) if masked_path else None
+            out.append(forward_block(dec, tokens, steps, ee, state, pad))
+            total = block_step.cached_length(dec, state)
+            if masked_path:
+                mask = torch.zeros(1, total, dtype=torch.bool)
+                mask[0, total - m + keep:] = True
+                mask_slots(dec, state, mask)
+            else:
+                truncate_slots(dec, state, total - m + keep)
+            length += keep
+        logits[masked_path] = out
+        buf = dec.layers[0].self_attn._get_input_buffer(state)
+        assert (buf.get("prev_key_padding_mask") is None) == (not masked_path)  # no mask was ever made
+    for a, b in zip(logits[True], logits[False]):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_merging_a_cache_without_masks_masks_its_padding():
+    """A cohort whose cache has no key mask, merged with one of longer keys: its padded slots
+    are masked (they hold zero keys, which would otherwise get attention weight)."""
+    short = {"a": {"prev_key": torch.ones(1, 2, 3, 4), "prev_value": torch.ones(1, 2, 3, 4),
+                   "prev_key_padding_mask": None}}
+    long = {"a": {"prev_key": torch.ones(2, 2, 5, 4), "prev_value": torch.ones(2, 2, 5, 4),
+                  "prev_key_padding_mask": torch.tensor([[False] * 5, [False] * 4 + [True]])}}
+    merged = cat_incremental_states([short, long])["a"]
+    assert merged["prev_key"].shape == (3, 2, 5, 4)
+    assert merged["prev_key_padding_mask"].tolist() == [[False] * 3 + [True] * 2, [False] * 5,
+                                                        [False] * 4 + [True]]

@@ -34,11 +34,13 @@ from ..runtime.block_step import (
     forward_block,
     keep_rows,
     mask_slots,
+    truncate_slots,
 )
 from ..runtime.cache import (
     cat_incremental_states,
     check_vocabulary,
     encoder_out_stand_in,
+    without_padding_mask,
 )
 from ..runtime.counters import Counters
 from ..runtime.draft_budget import DraftBudget, DraftSwitch
@@ -141,6 +143,8 @@ class AggressiveGenerator(SequenceGenerator):
     def _admit(self, srcs: Sources, new: List[int]) -> Group:
         t = time.perf_counter()
         enc = forward_encoder(self.model, srcs.subset_input(new))
+        if enc is not None and len({srcs.lengths[i] for i in new}) == 1:
+            enc = without_padding_mask(enc)  # no padding: cross-attention needs no mask
         draft = self.drafter.open(srcs, new)
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
@@ -172,21 +176,24 @@ class AggressiveGenerator(SequenceGenerator):
         d = max(lens, default=0)
         drafts = drafts[:, :d]  # a drafter may draft more than the caps allow: those slots are not verified
         m = 1 + d
+        # the block's layout on the host (numpy: a few microseconds where torch ops cost more)
+        arange = np.arange(m)
+        pad_h = arange[None, :] > np.asarray(lens)[:, None]  # slot j > 0 holds draft token j - 1
+        steps_h = np.fromiter((len(r.out) for r in g.rows), np.int64, n)[:, None] + arange
+        at_max = steps_h >= np.fromiter((r.max_len for r in g.rows), np.int64, n)[:, None]
+        padded = bool(pad_h.any())
+        block_pad = torch.from_numpy(pad_h).to(dev) if padded else None  # None: every slot is real
         last = torch.tensor([r.out[-1] if r.out else self.bos for r in g.rows], dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        pad_h = torch.cat([torch.zeros(n, 1, dtype=torch.bool), torch.arange(d).unsqueeze(0) >= lens_t.unsqueeze(1)], 1)
-        block_pad = pad_h.to(dev)
-        block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1).masked_fill(block_pad, self.pad)
-        out_len = torch.tensor([len(r.out) for r in g.rows], dtype=torch.long)
-        steps_h = out_len.unsqueeze(1) + torch.arange(m)
-        at_max = steps_h >= torch.tensor([r.max_len for r in g.rows]).unsqueeze(1)
+        block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
+        if block_pad is not None:
+            block = block.masked_fill(block_pad, self.pad)
         enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
         # top-1 verification computes only the real slots when the block has padding (rows with
         # shorter drafts); GAD++ reads the top-beta of every slot
         slots = None
-        if self.beta == 1 and bool(pad_h.any()):
-            slots = Slots.real(pad_h, dev)
-        best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, steps_h, at_max, slots)
+        if self.beta == 1 and padded:
+            slots = Slots.real(torch.from_numpy(pad_h), dev)
+        best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, pad_h, steps_h, at_max, slots)
         g.encoder_outs = None
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.decoder_steps += 1
@@ -195,7 +202,6 @@ class AggressiveGenerator(SequenceGenerator):
         self.counters.block_slots += n + sum(lens)
 
         matched = acc_h[:, 0].astype(int).tolist()
-        rejected = torch.arange(m).unsqueeze(0) > torch.tensor(matched).unsqueeze(1)  # slots after the model's token
         draft_l, best_l, dlp_l, lp_l = draft_h.tolist(), best_h.tolist(), dlp_h.tolist(), lp_h.tolist()
         done_rows, finished_tokens, produced = [], 0, 0
         for i, r in enumerate(g.rows):
@@ -214,10 +220,7 @@ class AggressiveGenerator(SequenceGenerator):
                 finished_tokens += srcs.lengths[r.window_row]
         self.drafter.advance(g.draft, outs, matched)
         self.draft_budget.update(lens, matched)
-        prev = cached_length(self.model.models[0].decoder, g.states[0]) - m
-        masked = torch.cat([torch.zeros(n, prev, dtype=torch.bool), rejected], 1).to(dev)
-        for mdl, st in zip(self.model.models, g.states):
-            mask_slots(mdl.decoder, st, masked)
+        self._roll_back(g, matched, m, dev)
         if done_rows:
             done_set = set(done_rows)
             keep = [i for i in range(n) if i not in done_set]
@@ -236,58 +239,102 @@ class AggressiveGenerator(SequenceGenerator):
             switch.record(d > 0, time.perf_counter() - t, produced)
         return finished_tokens
 
-    def _verify(self, g: Group, enc, block: Tensor, block_pad: Tensor, steps_h: Tensor, at_max: Tensor,
-                slots: Optional[Slots]):
-        """Verify block [N, m] (host `steps_h` and `at_max` [N, m]); returns, on the host, the
-        arrays of `_accept`. Top-1 verification first applies only fairseq's column adjustments
-        (a few columns) and reads forced EOS off the EOS column; the passes over every entry (NaN,
-        the length limit) are only made when a NaN reaches a top-1 (FairseqPenalties: same values)."""
+    def _roll_back(self, g: Group, matched: List[int], m: int, dev) -> None:
+        """Drop the block's slots after each row's accepted tokens from the verifier's cache. A lone
+        row's rejected slots are the cache's tail, so they are cut off (its cache then never holds
+        masked slots and attention needs no key mask); rows of a batch mask theirs."""
+        length = cached_length(self.model.models[0].decoder, g.states[0])
+        if len(g.rows) == 1:
+            for mdl, st in zip(self.model.models, g.states):
+                truncate_slots(mdl.decoder, st, length - m + matched[0] + 1)
+            return
+        rejected = np.arange(m)[None, :] > np.asarray(matched)[:, None]  # slots after the model's token
+        masked = np.concatenate([np.zeros((len(matched), length - m), dtype=bool), rejected], 1)
+        masked_d = torch.from_numpy(masked).to(dev)
+        for mdl, st in zip(self.model.models, g.states):
+            mask_slots(mdl.decoder, st, masked_d)
+
+    def _verify(self, g: Group, enc, block: Tensor, block_pad: Optional[Tensor], pad_h: np.ndarray,
+                steps_h: np.ndarray, at_max: np.ndarray, slots: Optional[Slots]) -> np.ndarray:
+        """Verify block [N, m] (host padding `pad_h`, `steps_h` and `at_max` [N, m]); returns, on
+        the host, the arrays of `_accept`. Top-1 verification first applies only fairseq's column
+        adjustments (a few columns) and reads forced EOS off the EOS column; the passes over every
+        entry (NaN, the length limit) are only made when a NaN reaches a top-1 (FairseqPenalties:
+        same values)."""
         dev = block.device
         top1 = self.beta == 1
-        steps_d = steps_h.to(dev)
-        steps, at_max = steps_d.view(-1), at_max.to(dev).view(-1)
-        if slots is not None:
-            steps, at_max = steps.index_select(0, slots.index), at_max.index_select(0, slots.index)
+        real = ~pad_h.reshape(-1) if slots is not None else slice(None)
+        steps_d = torch.from_numpy(steps_h).to(dev)
         lprobs = self._verify_lprobs(block, steps_d, block_pad, enc, g, int(steps_h.max()), slots)
-        self.penalties.fix_columns(lprobs, 0, steps < self.min_len)
+        if int(steps_h.min()) < self.min_len:
+            before = steps_d.view(-1) < self.min_len
+            self.penalties.fix_columns(lprobs, 0, before if slots is None else before.index_select(0, slots.index))
+        else:
+            self.penalties.fix_columns(lprobs, self.min_len)
+        forced = at_max.reshape(-1)[real]
         if not top1:
-            self.penalties.fix_rows(lprobs, at_max)
+            self.penalties.fix_rows(lprobs, torch.from_numpy(forced).to(dev) if forced.any() else None)
+            return self._accept(lprobs, block, pad_h)
         # the one host sync of the pass (token ids are exact in the float32/64 packing, below 2**24)
-        out = self._accept(lprobs, block, block_pad, at_max if top1 else None, slots).cpu().numpy()
-        if top1 and np.isnan(out[1]).any():  # a NaN log-prob somewhere, or no allowed token at a forced EOS
-            self.penalties.fix_rows(lprobs, at_max)
-            out = self._accept(lprobs, block, block_pad, None, slots).cpu().numpy()
+        out = self._accept(lprobs, block, pad_h, forced if forced.any() else None)
+        if np.isnan(out[1]).any():  # a NaN log-prob somewhere, or no allowed token at a forced EOS
+            self.penalties.fix_rows(lprobs, torch.from_numpy(forced).to(dev) if forced.any() else None)
+            out = self._accept(lprobs, block, pad_h)
         return out
 
-    def _accept(self, lprobs: Tensor, block: Tensor, block_pad: Tensor, forced_eos: Optional[Tensor] = None,
-                slots: Optional[Slots] = None) -> Tensor:
-        """Verification on the device, from log-probs [S, V] of the block's N*m slots (or of its
-        real `slots` only). Block slot j predicts the token after slot j; draft token j+1 is
-        accepted while every draft token before it was. `forced_eos` [S]: slots at the length
-        limit whose log-probs were not masked yet (top-1 only): EOS is their top-1, and a NaN
-        log-prob is returned where EOS is not allowed either, so the caller redoes the pass with
-        every adjustment. Returns, packed for one host copy, [5, N, m]: verifier top-1 ids and
-        log-probs, draft ids and their log-probs (last column padding), and the number of
-        accepted draft tokens (broadcast over the last axis)."""
+    def _accept(self, lprobs: Tensor, block: Tensor, block_pad, forced_eos=None) -> np.ndarray:
+        """Verification of block [N, m] (padding `block_pad` [N, m], host array or tensor) from the
+        log-probs [S, V] of its N*m slots, or of its real slots only when S < N*m (block slot j
+        predicts the token after slot j; draft token j+1 is accepted while every draft token before
+        it was). Returns host arrays [5, N, m]: verifier top-1 ids and log-probs, draft ids and their
+        log-probs (last column padding), and the number of accepted draft tokens (broadcast over
+        the last axis). Top-1 verification copies only each slot's top-1, its log-prob and the
+        block to the host and compares there. `forced_eos` [S] (host; top-1 only): slots at the
+        length limit whose log-probs were not masked yet: EOS is their top-1, and a NaN log-prob is
+        returned where EOS is not allowed either, so the caller redoes the pass with every
+        adjustment."""
+        if self.beta > 1:
+            return self._accept_beta(lprobs, block, torch.as_tensor(np.asarray(block_pad), device=block.device))
         n, m = block.shape
+        pad = np.asarray(block_pad, dtype=bool)
         best_lp, best = lprobs.max(dim=1)  # NaN propagates into best_lp
+        dtype = torch.promote_types(lprobs.dtype, torch.float32)
+        parts = [best.to(dtype), best_lp.to(dtype), block.reshape(-1).to(dtype)]
         if forced_eos is not None:
-            eos_lp = lprobs[:, self.eos]
-            best = best.masked_fill(forced_eos, self.eos)
-            best_lp = torch.where(forced_eos, eos_lp.masked_fill(eos_lp == -math.inf, math.nan), best_lp)
-        if slots is not None:  # padding slots: never read (accepting stops at the first padding)
-            best = best.new_full((n * m,), self.pad).index_copy_(0, slots.index, best)
-            best_lp = best_lp.new_zeros(n * m).index_copy_(0, slots.index, best_lp)
+            parts.append(lprobs[:, self.eos].to(dtype))
+        host = torch.cat(parts).cpu().numpy()
+        s = best.numel()
+        best_h, lp_h, block_h = host[:s].copy(), host[s:2 * s].copy(), host[2 * s:2 * s + n * m].reshape(n, m)
+        if forced_eos is not None:
+            forced = np.asarray(forced_eos, dtype=bool).reshape(-1)
+            eos_lp = host[2 * s + n * m:][forced]
+            best_h[forced] = self.eos
+            lp_h[forced] = np.where(eos_lp == -np.inf, np.nan, eos_lp)
+        if s < n * m:  # real slots only: padding slots are never read (accepting stops at the first)
+            real = ~pad.reshape(-1)
+            full_best, full_lp = np.full(n * m, self.pad, dtype=host.dtype), np.zeros(n * m, dtype=host.dtype)
+            full_best[real], full_lp[real] = best_h, lp_h
+            best_h, lp_h = full_best, full_lp
+        best_h, lp_h = best_h.reshape(n, m), lp_h.reshape(n, m)
+        ok = (block_h[:, 1:] == best_h[:, :-1]) & ~pad[:, 1:]  # strict: exactly greedy decoding
+        accepted = np.cumprod(ok, axis=1).sum(1)
+        pad_col = np.zeros((n, 1), dtype=host.dtype)
+        return np.stack([best_h, lp_h, np.concatenate([block_h[:, 1:], pad_col], 1),
+                         np.concatenate([lp_h[:, :-1], pad_col], 1),  # an accepted draft token is the top-1
+                         np.broadcast_to(accepted[:, None], (n, m)).astype(host.dtype)])
+
+    def _accept_beta(self, lprobs: Tensor, block: Tensor, block_pad: Tensor) -> np.ndarray:
+        """GAD++ verification on the device: a draft token is accepted when it is among the
+        verifier's top-beta and within tau of the top-1 log-probability. `lprobs` [N*m, V] covers
+        every slot. Same packing as `_accept`."""
+        n, m = block.shape
+        best_lp, best = lprobs.max(dim=1)
         best, best_lp = best.view(n, m), best_lp.view(n, m)
         draft = block[:, 1:]
-        if self.beta == 1:
-            ok = draft.eq(best[:, :-1])  # strict: exactly greedy decoding
-            draft_lp = best_lp[:, :-1]  # an accepted draft token is the top-1
-        else:
-            pred = lprobs.view(n, m, -1)[:, :-1]
-            draft_lp = pred.gather(2, draft.unsqueeze(2)).squeeze(2)
-            top = pred.topk(min(self.beta, pred.size(2)), dim=2).indices
-            ok = top.eq(draft.unsqueeze(2)).any(2) & (draft_lp >= best_lp[:, :-1] - self.tau)
+        pred = lprobs.view(n, m, -1)[:, :-1]
+        draft_lp = pred.gather(2, draft.unsqueeze(2)).squeeze(2)
+        top = pred.topk(min(self.beta, pred.size(2)), dim=2).indices
+        ok = top.eq(draft.unsqueeze(2)).any(2) & (draft_lp >= best_lp[:, :-1] - self.tau)
         ok &= ~block_pad[:, 1:]
         accepted = ok.long().cumprod(1).sum(1)
         dtype = torch.promote_types(lprobs.dtype, torch.float32)
@@ -296,7 +343,7 @@ class AggressiveGenerator(SequenceGenerator):
             best.to(dtype), best_lp.to(dtype),
             torch.cat([draft.to(dtype), pad_col], 1), torch.cat([draft_lp.to(dtype), pad_col], 1),
             accepted.to(dtype).unsqueeze(1).expand(n, m),
-        ])
+        ]).cpu().numpy()
 
     def _verify_lprobs(self, block, steps, block_pad, enc, g: Group, max_step: int, slots: Optional[Slots]) -> Tensor:
         """Log-probs [N*m, V] at every block slot (or [T, V] at the real `slots`), averaged over

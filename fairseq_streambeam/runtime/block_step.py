@@ -74,11 +74,11 @@ def block_attn_mask(prev: int, m: int, tail: int, dtype, device) -> Tensor:
 
 
 def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state: Optional[IncState],
-                  block_pad: Tensor, tail: int = 0, logits_for_tail: bool = False,
+                  block_pad: Optional[Tensor], tail: int = 0, logits_for_tail: bool = False,
                   max_position: Optional[int] = None, slots: Optional[Slots] = None) -> Tensor:
     """Logits [N, m, V] for block `tokens` [N, m] at target positions `positions` [N, m]; appends
     the block to the cache in `state` (None: no cache, as in training). `block_pad` [N, m] marks
-    padding inside the block; the last `tail` slots attend bidirectionally (block_attn_mask).
+    padding inside the block (None: none); the last `tail` slots attend bidirectionally (block_attn_mask).
     `logits_for_tail`: project only the tail slots (logits [N, tail, V]; the vocabulary projection
     is the largest matrix product of a small model). `max_position`: the largest of `positions`
     when the caller knows it on the host (saves a device-to-host sync per call on GPUs).
@@ -99,7 +99,7 @@ def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state
     x = decoder.dropout_module(x)
 
     prev = 0 if state is None else cached_length(decoder, state)
-    mask = block_attn_mask(prev, m, tail, x.dtype, x.device)
+    mask = block_attn_mask(prev, m, tail, x.dtype, x.device) if m > 1 else None  # one slot sees every key
     enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) else None
     enc_mask = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
     if slots is not None and logits_for_tail:

@@ -124,6 +124,12 @@ def needs_encoder_out_each_step(model: EnsembleModel) -> bool:
     return not all(isinstance(m.decoder, TransformerDecoderBase) for m in model.models)
 
 
+def without_padding_mask(outs: List[EncOut]) -> List[EncOut]:
+    """Encoder outputs of sources without padding, minus their (all-False) padding mask: fairseq's
+    attention then builds no key mask, which is the same attention (zero is added to no score)."""
+    return [{**o, "encoder_padding_mask": []} for o in outs]
+
+
 def encoder_out_stand_in(model, rows: int, device: torch.device) -> List[EncOut]:
     """Zero-copy encoder outputs for a transformer decoder whose cross-attention keys are cached.
 
@@ -193,10 +199,9 @@ def cat_incremental_states(states: List[IncState]) -> IncState:
                 if all(t is None for t in ts):
                     merged[name] = None
                     continue
-                ts = [
-                    torch.zeros(n, length if t is None else t.size(1), dtype=torch.bool, device=kv[0].device)
-                    if t is None else t
-                    for n, t in zip(rows, ts)
+                ts = [  # no mask: none of that cohort's own keys is masked (its padding up to `length` is)
+                    torch.zeros(n, k.size(2), dtype=torch.bool, device=k.device) if t is None else t  # type: ignore[union-attr]
+                    for n, t, k in zip(rows, ts, kv)
                 ]
                 merged[name] = torch.cat([_pad(t.bool(), 1, length, True) for t in ts], 0)
             elif all(isinstance(t, Tensor) and t.dim() == 4 for t in ts):

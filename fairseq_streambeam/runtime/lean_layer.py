@@ -140,11 +140,12 @@ class Slots:
 
 
 def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
-                attn_mask: Tensor, pad_mask: Tensor, slots: Optional[Slots] = None) -> Tensor:
+                attn_mask: Optional[Tensor], pad_mask: Optional[Tensor], slots: Optional[Slots] = None) -> Tensor:
     """The decoder layers on block `x` [N, m, C] (batch-major). `enc` [S, N, C] and `enc_mask`
     [N, S] are read while the cross-attention keys are not cached yet (`enc` None: no encoder
     output, so no cross-attention, as in fairseq); `attn_mask` [m, L] is additive over cache +
-    block slots; `pad_mask` [N, m] marks padding in the block. With `slots`, only the real slots
+    block slots (None: all zeros); `pad_mask` [N, m] marks padding in the block (None: none).
+    Without padding in the block or the cache, attention gets no key mask. With `slots`, only the real slots
     are computed and the result is packed [T, C] (the padding's outputs are never read, and its
     cached keys and values are masked, so they are left zero).
 
@@ -154,10 +155,12 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
     first = layers[0]
     buf = first.self_attn._get_input_buffer(state) if state is not None else {}
     key_mask = pad_mask
-    if buf.get("prev_key") is not None:
-        prev = buf.get("prev_key_padding_mask")
+    prev = buf.get("prev_key_padding_mask") if buf.get("prev_key") is not None else None
+    if prev is not None or (pad_mask is not None and buf.get("prev_key") is not None):
         if prev is None:
             prev = torch.zeros(n, buf["prev_key"].size(2), dtype=torch.bool, device=x.device)
+        if pad_mask is None:
+            pad_mask = torch.zeros(n, x.size(1), dtype=torch.bool, device=x.device)
         key_mask = torch.cat([prev.to(torch.bool), pad_mask], 1)
     cross_mask = None
     if first.encoder_attn is not None and enc is not None:
@@ -182,8 +185,11 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
     return x
 
 
-def _additive(key_mask: Tensor, attn_mask: Optional[Tensor], heads: int, dtype) -> Tensor:
-    """[N*H, m or 1, L] additive mask: -inf at masked keys, plus `attn_mask` [m, L]."""
+def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: int, dtype) -> Optional[Tensor]:
+    """[N*H, m or 1, L] additive mask: -inf at masked keys, plus `attn_mask` [m, L]; without key
+    mask, `attn_mask` alone as [1, m, L] (broadcast over rows and heads), or None."""
+    if key_mask is None:
+        return None if attn_mask is None else attn_mask.unsqueeze(0)
     n, length = key_mask.shape
     add = torch.zeros(n, 1, 1, length, dtype=dtype, device=key_mask.device)
     add.masked_fill_(key_mask.to(torch.bool)[:, None, None, :], -math.inf)
