@@ -6,16 +6,18 @@ from __future__ import annotations
 
 from typing import Any, List, Protocol, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 
 def pad_drafts(drafts: List[List[int]], pad: int, device) -> Tuple[Tensor, List[int]]:
     """Host-side drafts as the [N, d] padded tensor and lengths that `Drafter.propose` returns."""
-    out = torch.full((len(drafts), max((len(d) for d in drafts), default=0)), pad, dtype=torch.long)
+    lens = [len(d) for d in drafts]
+    out = np.full((len(drafts), max(lens, default=0)), pad, dtype=np.int64)  # numpy: no per-row tensors
     for i, d in enumerate(drafts):
-        out[i, :len(d)] = torch.tensor(d, dtype=torch.long)
-    return out.to(device), [len(d) for d in drafts]
+        out[i, :len(d)] = d
+    return torch.from_numpy(out).to(device), lens
 
 
 class Drafter(Protocol):

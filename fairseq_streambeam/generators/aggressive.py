@@ -107,6 +107,7 @@ class AggressiveGenerator(SequenceGenerator):
         self.max_source_positions = _max_source_positions(self.model)
         self.compact_slack = compact_slack
         self.counters = Counters()
+        self._stand_ins: Dict[tuple, list] = {}
 
     @torch.no_grad()
     def _generate(self, sample, prefix_tokens: Optional[Tensor] = None, constraints: Optional[Tensor] = None,
@@ -187,7 +188,7 @@ class AggressiveGenerator(SequenceGenerator):
         block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
         if block_pad is not None:
             block = block.masked_fill(block_pad, self.pad)
-        enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
+        enc = g.encoder_outs if g.encoder_outs is not None else self._stand_in(n, dev)
         # top-1 verification computes only the real slots when the block has padding (rows with
         # shorter drafts); GAD++ reads the top-beta of every slot
         slots = None
@@ -238,6 +239,14 @@ class AggressiveGenerator(SequenceGenerator):
         if switch is not None and timed:
             switch.record(d > 0, time.perf_counter() - t, produced)
         return finished_tokens
+
+    def _stand_in(self, rows: int, dev) -> list:
+        """`encoder_out_stand_in` for `rows` rows, made once per row count (it is read-only)."""
+        key = (rows, str(dev))
+        hit = self._stand_ins.get(key)
+        if hit is None:
+            hit = self._stand_ins[key] = encoder_out_stand_in(self.model, rows, dev)
+        return hit
 
     def _roll_back(self, g: Group, matched: List[int], m: int, dev) -> None:
         """Drop the block's slots after each row's accepted tokens from the verifier's cache. A lone

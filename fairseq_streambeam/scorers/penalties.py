@@ -66,7 +66,7 @@ class FairseqPenalties:
         forced to a prefix token (`free`), no EOS before the minimum length and never a suppressed
         token. Rows at different steps (aggressive decoding's blocks) pass `before_min_len` [N]
         instead of relying on `step`."""
-        lprobs[:, self.pad] = -math.inf
+        lprobs.select(1, self.pad).fill_(-math.inf)  # lprobs[:, pad] = -inf, without indexing's slow path
         if self.unk_penalty:
             lprobs[:, self.unk] -= self.unk_penalty
         if not free:
@@ -74,7 +74,7 @@ class FairseqPenalties:
         if before_min_len is not None:
             lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(before_min_len, -math.inf)
         elif step < self.min_len:
-            lprobs[:, self.eos] = -math.inf
+            lprobs.select(1, self.eos).fill_(-math.inf)
         if self.suppress is not None:
             lprobs[:, self.suppress] = -math.inf
 
