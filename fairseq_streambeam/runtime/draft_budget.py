@@ -69,9 +69,11 @@ class DraftSwitch:
     A/B on deen-tiny (1 thread, ratio to fairseq greedy; one probe deciding -> these rules):
     lookup drafts, 150 sentences, batch 1: 0.615 -> 0.592 (drafting every pass 0.590); 480
     sentences in sorted batches of 32: 0.753 -> 0.723 (every pass 0.937, no drafts 0.823); the
-    trained drafter, same batches: 0.877 -> 0.907 (no drafts 0.793; 2 repeats; probably the
-    confirmation before each band's first switch to no drafts, 8 more drafting passes, which
-    this A/B did not isolate). An average of each pass's own
+    trained drafter, same batches: 0.877 -> 0.907 (no drafts 0.793; 2 repeats). In one window of
+    480 sentences with refill (fairseq-generate's default for this plugin) lookup drafts stay
+    dearer than none either way, 1.17x -> 1.25x no drafts' time (drafting always 1.33x): per-pass
+    times there drift 2-3x between phases of the window, which a timed switch reads as a change
+    of mode, and two agreeing probes make it slower to leave a wrong one. An average of each pass's own
     seconds per token would overcharge drafting: a draft rejected at once yields 1 token and an
     accepted one 5 for about the same time, and the mean of 1/tokens exceeds 1/(mean tokens). Each
     pass ends in a host copy of its results, so the host clock sees the device's work too (no
