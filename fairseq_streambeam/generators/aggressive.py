@@ -33,8 +33,7 @@ from ..runtime.block_step import (
     compact,
     forward_block,
     keep_rows,
-    mask_slots,
-    truncate_slots,
+    roll_back,
 )
 from ..runtime.cache import (
     cat_incremental_states,
@@ -107,7 +106,6 @@ class AggressiveGenerator(SequenceGenerator):
         self.max_source_positions = _max_source_positions(self.model)
         self.compact_slack = compact_slack
         self.counters = Counters()
-        self._stand_ins: Dict[tuple, list] = {}
 
     @torch.no_grad()
     def _generate(self, sample, prefix_tokens: Optional[Tensor] = None, constraints: Optional[Tensor] = None,
@@ -188,7 +186,7 @@ class AggressiveGenerator(SequenceGenerator):
         block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
         if block_pad is not None:
             block = block.masked_fill(block_pad, self.pad)
-        enc = g.encoder_outs if g.encoder_outs is not None else self._stand_in(n, dev)
+        enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
         # top-1 verification computes only the real slots when the block has padding (rows with
         # shorter drafts); GAD++ reads the top-beta of every slot
         slots = None
@@ -221,7 +219,8 @@ class AggressiveGenerator(SequenceGenerator):
                 finished_tokens += srcs.lengths[r.window_row]
         self.drafter.advance(g.draft, outs, matched)
         self.draft_budget.update(lens, matched)
-        self._roll_back(g, matched, m, dev)
+        for mdl, st in zip(self.model.models, g.states):  # drop the rejected slots
+            roll_back(mdl.decoder, st, [j + 1 for j in matched], m)
         if done_rows:
             done_set = set(done_rows)
             keep = [i for i in range(n) if i not in done_set]
@@ -239,29 +238,6 @@ class AggressiveGenerator(SequenceGenerator):
         if switch is not None and timed:
             switch.record(d > 0, time.perf_counter() - t, produced)
         return finished_tokens
-
-    def _stand_in(self, rows: int, dev) -> list:
-        """`encoder_out_stand_in` for `rows` rows, made once per row count (it is read-only)."""
-        key = (rows, str(dev))
-        hit = self._stand_ins.get(key)
-        if hit is None:
-            hit = self._stand_ins[key] = encoder_out_stand_in(self.model, rows, dev)
-        return hit
-
-    def _roll_back(self, g: Group, matched: List[int], m: int, dev) -> None:
-        """Drop the block's slots after each row's accepted tokens from the verifier's cache. A lone
-        row's rejected slots are the cache's tail, so they are cut off (its cache then never holds
-        masked slots and attention needs no key mask); rows of a batch mask theirs."""
-        length = cached_length(self.model.models[0].decoder, g.states[0])
-        if len(g.rows) == 1:
-            for mdl, st in zip(self.model.models, g.states):
-                truncate_slots(mdl.decoder, st, length - m + matched[0] + 1)
-            return
-        rejected = np.arange(m)[None, :] > np.asarray(matched)[:, None]  # slots after the model's token
-        masked = np.concatenate([np.zeros((len(matched), length - m), dtype=bool), rejected], 1)
-        masked_d = torch.from_numpy(masked).to(dev)
-        for mdl, st in zip(self.model.models, g.states):
-            mask_slots(mdl.decoder, st, masked_d)
 
     def _verify(self, g: Group, enc, block: Tensor, block_pad: Optional[Tensor], pad_h: np.ndarray,
                 steps_h: np.ndarray, at_max: np.ndarray, slots: Optional[Slots]) -> np.ndarray:

@@ -15,6 +15,7 @@ import math
 import weakref
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
@@ -203,6 +204,20 @@ def mask_slots(decoder, state: IncState, masked: Tensor) -> None:
             old = torch.zeros_like(masked)
         buf["prev_key_padding_mask"] = old.bool() | masked  # fairseq stores it as float after appending
         mha._set_input_buffer(state, buf)
+
+
+def roll_back(decoder, state: IncState, kept: List[int], m: int) -> None:
+    """After a block of m slots, keep the first kept[i] of row i's slots and drop the rest from the
+    cache. A lone row's dropped slots are the cache's tail, so they are cut off (its cache then
+    never holds masked slots, and attention needs no key mask); rows of a batch mask theirs."""
+    keys = _self_attn_modules(decoder)[0]._get_input_buffer(state)["prev_key"]
+    length = keys.size(2)  # type: ignore[union-attr]
+    if len(kept) == 1:
+        truncate_slots(decoder, state, length - m + kept[0])
+        return
+    masked = np.zeros((len(kept), length), dtype=bool)  # built on the host: a few small arrays
+    masked[:, length - m:] = np.arange(m)[None, :] >= np.asarray(kept)[:, None]
+    mask_slots(decoder, state, torch.from_numpy(masked).to(keys.device))  # type: ignore[union-attr]
 
 
 def compact(decoder, state: IncState) -> None:

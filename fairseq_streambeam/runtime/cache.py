@@ -11,6 +11,7 @@ Everything here that knows fairseq internals is in the "fairseq adapter" functio
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -137,15 +138,24 @@ def encoder_out_stand_in(model, rows: int, device: torch.device) -> List[EncOut]
     a tensor; once `prev_key` is in the incremental state, MultiheadAttention(static_kv=True)
     ignores that tensor and its padding mask and uses the cached keys and mask. A stride-0 view of
     the right batch size avoids re-gathering [src_len, rows, dim] encoder states every step.
-    `model` is an EnsembleModel (one output per member) or a single fairseq model.
+    `model` is an EnsembleModel (one output per member) or a single fairseq model. Made once per
+    model, row count and device and shared (callers only read it): building it costs a few
+    tensor ops per decoder step otherwise.
     """
-    outs = []
-    for m in getattr(model, "models", [model]):
-        dim = m.decoder.embed_dim if hasattr(m.decoder, "embed_dim") else 1
-        dummy = torch.zeros(1, 1, dim, device=device).expand(1, rows, dim)
-        outs.append({"encoder_out": [dummy], "encoder_padding_mask": [], "encoder_embedding": [],
-                     "encoder_states": [], "src_tokens": [], "src_lengths": []})
+    per_model = _STAND_INS.setdefault(model, {})
+    key = (rows, str(device))
+    outs = per_model.get(key)
+    if outs is None:
+        outs = per_model[key] = []
+        for m in getattr(model, "models", [model]):
+            dim = m.decoder.embed_dim if hasattr(m.decoder, "embed_dim") else 1
+            dummy = torch.zeros(1, 1, dim, device=device).expand(1, rows, dim)
+            outs.append({"encoder_out": [dummy], "encoder_padding_mask": [], "encoder_embedding": [],
+                         "encoder_states": [], "src_tokens": [], "src_lengths": []})
     return outs
+
+
+_STAND_INS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(rows, device): outputs}
 
 
 def reorder_incremental_state(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor,
