@@ -410,6 +410,28 @@ def test_draft_switch_is_not_flipped_by_one_cheap_probe():
     assert sum(modes[-150:]) >= 130  # drafting but for probes every 8 passes (single probes deciding: 115)
 
 
+def test_draft_switch_keeps_its_mode_unless_the_other_is_clearly_cheaper():
+    """Passes without drafts are 5% cheaper per token than drafting passes: within the switch's
+    margin for leaving drafting (10%), so it keeps drafting, apart from probes. At 30% cheaper it
+    leaves drafting."""
+    for no_draft_cost, drafting_expected in ((0.95, True), (0.7, False)):
+        sw = DraftSwitch(first_probe=2, max_probe=8)
+        modes = []
+        for _ in range(80):
+            on = sw.drafting()
+            modes.append(on)
+            sw.record(on, 1.0 if on else no_draft_cost, 1)
+        drafted = sum(modes[-40:])
+        assert drafted >= 34 if drafting_expected else drafted <= 6
+    sw = DraftSwitch(first_probe=2, max_probe=8, margin=0.0)  # without a margin, 5% decides
+    modes = []
+    for _ in range(80):
+        on = sw.drafting()
+        modes.append(on)
+        sw.record(on, 1.0 if on else 0.95, 1)
+    assert sum(modes[-40:]) <= 6
+
+
 def test_draft_switch_decides_per_band_of_live_rows():
     """Drafting pays with one live row and loses with 32: interleaved passes of both sizes each
     settle on their own mode (one shared average would compare the two regimes)."""
