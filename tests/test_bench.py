@@ -95,13 +95,18 @@ def test_lookup_drafter_in_the_harness(tiny_run, tmp_path):
 
 
 def test_configs_and_sweeps_expand():
-    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep", "iad_bounds"):
+    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep", "iad_bounds", "gad_lookup",
+                 "gad_lookup_sweep", "gad_batched"):
         settings, variants = load_config(str(REPO / "configs" / f"{name}.json"))
         assert variants and not any(k.startswith("_") for k in settings)
     _, variants = load_config(str(REPO / "configs" / "table5_sweep.json"))
     assert len(variants) == 2 + 4 * 3
     pts = expand_sweep({"decoding": "var-stream", "delta": [1.0, 2.0], "refill_eps": [0.1, 0.5]})
     assert [(v.delta, v.refill_eps) for v in pts] == [(1.0, 0.1), (1.0, 0.5), (2.0, 0.1), (2.0, 0.5)]
+    _, variants = load_config(str(REPO / "configs" / "gad_lookup_sweep.json"))  # a named sweep
+    swept = [v for v in variants if v.gad_beta]
+    assert [v.name for v in swept[:2]] == ["gad-lookup[gad_beta=3,gad_tau=1.0]", "gad-lookup[gad_beta=3,gad_tau=3.0]"]
+    assert len(swept) == 4 and all(v.lookup and v.decoding == "gad" for v in swept)
     with pytest.raises(ValueError, match="unknown method"):
         parse_methods("beam,nope")
 

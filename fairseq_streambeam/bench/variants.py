@@ -95,8 +95,10 @@ def load_config(path: str) -> Tuple[dict, List[Variant]]:
 
 
 def expand_sweep(sweep: dict) -> List[Variant]:
-    """{"decoding": "var-stream", "delta": [1, 1.5], "max_cands": [3, 5]} -> one variant per point."""
+    """{"decoding": "var-stream", "delta": [1, 1.5], "max_cands": [3, 5]} -> one variant per point,
+    named decoding[delta=1,max_cands=3] (or `name`[...] when the sweep gives a name)."""
     base = {k: v for k, v in sweep.items() if not isinstance(v, list)}
+    prefix = base.pop("name", base["decoding"])
     grid = [(k, v) for k, v in sweep.items() if isinstance(v, list)]
     points: List[dict] = [{}]
     for key, values in grid:
@@ -104,5 +106,5 @@ def expand_sweep(sweep: dict) -> List[Variant]:
     out = []
     for p in points:
         label = ",".join(f"{k}={v}" for k, v in p.items())
-        out.append(Variant(name=f"{base['decoding']}[{label}]", **base, **p))
+        out.append(Variant(name=f"{prefix}[{label}]", **base, **p))
     return out
