@@ -74,17 +74,17 @@ class DraftSwitch:
     dearer than none either way, 1.17x -> 1.25x no drafts' time (drafting always 1.33x): per-pass
     times there drift 2-3x between phases of the window, which a timed switch reads as a change
     of mode, and two agreeing probes make it slower to leave a wrong one. To stop drafting, passes
-    without drafts must also be cheaper by `margin` (10%; going back to drafting takes any gain,
-    so a bad start does not lock drafting out). With lookup drafts at batch 1 and 2 threads, noisy
+    without drafts must also be cheaper by `margin` (10%; going back to drafting takes any gain, so
+    a bad start does not lock drafting out). With lookup drafts at batch 1 and 2 threads, noisy
     probes had sent about 6% of the passes without drafts: 0.654x fairseq greedy's time against
     0.607x drafting every pass; with the margin 0.598x against 0.595x, and with 1 thread 0.601x
     against 0.610x (bench harness, 150 sentences, 3 repeats). Batched lookup drafts measured the
-    same with and without it (one process, 3 repeats: sorted batches of 32 0.728x and 0.724x; the
-    window of 480 0.644x both), and the trained drafter made the same passes. An average of each
-    pass's own seconds per token would overcharge drafting: a draft rejected at once yields 1
-    token and an accepted one 5 for about the same time, and the mean of 1/tokens exceeds
-    1/(mean tokens). Each pass ends in a host copy of its results, so the host clock sees the
-    device's work too (no extra sync).
+    same with and without it (one process, 3 repeats, against fairseq greedy on the same batches:
+    sorted batches of 32 0.728x and 0.724x; the window of 480 0.644x both), and the trained drafter
+    made the same passes. An average of each pass's own seconds per token would overcharge drafting:
+    a draft rejected at once yields 1 token and an accepted one 5 for about the same time, and the
+    mean of 1/tokens exceeds 1/(mean tokens). Each pass ends in a host copy of its results, so the
+    host clock sees the device's work too (no extra sync).
 
     Time per token depends on how many rows a pass has (a batch's last rows pay a pass's fixed
     cost alone), so modes are only compared at similar row counts: each band of live rows (1-3,
