@@ -121,8 +121,8 @@ class DraftSwitch:
 class _Band:
     """DraftSwitch's averages and decision for one band of row counts."""
 
-    def __init__(self, first_probe: int, max_probe: int, alpha: float, token_alpha: float = 0.1, confirm: int = 2,
-                 margin: float = 0.0):
+    def __init__(self, first_probe: int, max_probe: int, alpha: float, token_alpha: float, confirm: int,
+                 margin: float):  # no defaults of its own: DraftSwitch's are the only ones
         self.first_probe, self.max_probe, self.alpha = first_probe, max_probe, alpha
         self.token_alpha, self.confirm, self.margin = token_alpha, confirm, margin
         self.seconds: dict = {True: None, False: None}  # averages per pass, drafting or not
