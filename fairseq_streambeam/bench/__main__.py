@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", help="block_drafter checkpoint for the gad methods (scripts/train_drafter.sh)")
     p.add_argument("--draft-lookup", help="target-side text for the gad-lookup method's n-gram table (see "
                                           "--draft-lookup of fairseq-generate)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="where models and batches go (auto: CUDA when torch sees a GPU)")
     p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -109,18 +111,18 @@ def main(argv=None):
     from .memory import PeakMemory
     from .report import markdown_table, write_json, write_plots
 
+    use_cuda = _use_cuda(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
           f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
-          f"{'cuda' if torch.cuda.is_available() else 'cpu'}", flush=True)
+          f"{'cuda' if use_cuda else 'cpu'}", flush=True)
 
     # the three fields fairseq fills from its dataset config by interpolation
     cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
                            train_subset="train", dataset_impl=None, required_seq_len_multiple=1)
     task = StreamBeamTranslationTask.setup_task(cfg)
     models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=task)
-    use_cuda = torch.cuda.is_available()
     for m in models:
         m.eval()
         if use_cuda:
@@ -142,14 +144,14 @@ def main(argv=None):
     if any(v.lookup for v in variants) and not settings["draft_lookup"]:
         raise SystemExit("the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)")
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
-    ct2 = _ct2_translator(args, variants, threads)
+    ct2 = _ct2_translator(args, variants, threads, use_cuda)
     oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0} for v in variants}
     for rep in range(settings["repeats"]):
         for v in variants:
             bar = tqdm(total=n, desc=f"{rep + 1}/{settings['repeats']} {v.name}", disable=args.quiet,
                        leave=False, file=sys.stderr)
-            with PeakMemory() as mem:
+            with PeakMemory(cuda=use_cuda) as mem:
                 t0 = time.perf_counter()
                 if v.decoding == "ct2":
                     hyps, counters = _run_ct2(ct2, v, settings, ts, task.target_dictionary)
@@ -209,6 +211,13 @@ def main(argv=None):
             print(f"wrote {p}")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
     return rows
+
+
+def _use_cuda(device: str) -> bool:
+    """--device auto|cuda|cpu as a yes/no; asking for CUDA without a GPU is a one-line error."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def _subset_posteriors(args, variants, ts, out_dir: Path):
@@ -307,7 +316,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     return hyps, counters
 
 
-def _ct2_translator(args, variants, threads):
+def _ct2_translator(args, variants, threads, use_cuda: bool):
     """Convert the (first) checkpoint with CTranslate2's fairseq converter when ct2 is asked for."""
     if not any(v.decoding == "ct2" for v in variants):
         return None
@@ -322,7 +331,7 @@ def _ct2_translator(args, variants, threads):
     out = Path(args.out) / "ct2-model"
     FairseqConverter(paths[0], args.data, source_lang=args.source_lang, target_lang=args.target_lang).convert(
         str(out), force=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if use_cuda else "cpu"
     return ctranslate2.Translator(str(out), device=device, inter_threads=1, intra_threads=threads)
 
 

@@ -20,12 +20,12 @@ def _rss_bytes() -> int:
 class PeakMemory:
     """`with PeakMemory() as m: ...; m.peak_mb` -- CPU: max RSS sampled every `interval` seconds."""
 
-    def __init__(self, interval: float = 0.02):
+    def __init__(self, interval: float = 0.02, cuda: Optional[bool] = None):
         self.interval = interval
         self.peak = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.cuda = torch.cuda.is_available()
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda  # the run's device, not the machine's
 
     def __enter__(self) -> "PeakMemory":
         if self.cuda:
