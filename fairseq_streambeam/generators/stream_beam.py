@@ -20,7 +20,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
-from ..runtime.cache import DecoderCache, check_incremental, check_vocabulary, needs_encoder_out_each_step
+from ..runtime.cache import DecoderCache, check_incremental, check_vocabulary, transformer_decoders
 from ..runtime.counters import Counters
 from ..runtime.lean_encoder import forward_encoder
 from ..runtime.scheduler import Budget, Scheduler
@@ -178,9 +178,8 @@ class StreamBeamGenerator(SequenceGenerator):
             pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty, min_len=min_len,
             suppress=self.token_indices_to_suppress,
         )
-        self.keep_encoder_out = (
-            needs_encoder_out_each_step(self.model) if keep_encoder_out is None else keep_encoder_out
-        )
+        self.mergeable = transformer_decoders(self.model)  # cohorts of equal length share one cache
+        self.keep_encoder_out = not self.mergeable if keep_encoder_out is None else keep_encoder_out
         self.max_source_positions = _max_source_positions(self.model)
         self.profile = profile
         # additive / masking terms applied in order before top-k (LMBR, token masks): see scorers/base.py
@@ -236,7 +235,7 @@ class StreamBeamGenerator(SequenceGenerator):
                 cohorts.pop(i)
             else:
                 for j, o in enumerate(cohorts):
-                    if o is not c and o.length == c.length:
+                    if o is not c and o.length == c.length and self.mergeable:
                         cohorts[j] = Cohort.merge(o, c)
                         cohorts.remove(c)
                         break
@@ -254,6 +253,8 @@ class StreamBeamGenerator(SequenceGenerator):
         t = self._tick()
         enc = forward_encoder(self.model, srcs.subset_input(new))
         self.counters.model_seconds += self._tock(t)
+        if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
+            new = sorted(new, key=lambda i: -srcs.lengths[i])
         self.counters.encoder_calls += 1
         dtype = torch.float32
         state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
@@ -262,7 +263,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if prefix_tokens is not None:
             prefix = prefix_tokens if srcs.is_whole(new) else prefix_tokens.index_select(
                 0, torch.tensor(new, device=device))
-        cache = DecoderCache(self.model, enc, self.keep_encoder_out)
+        cache = DecoderCache(self.model, enc, self.keep_encoder_out, len(new))
         src_len = np.array([srcs.lengths[i] for i in new])
         cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, serial, device, dtype)
         if srcs.is_whole(new):  # fairseq's own batch: its padded width

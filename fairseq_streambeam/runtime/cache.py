@@ -11,6 +11,7 @@ Everything here that knows fairseq internals is in the "fairseq adapter" functio
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Dict, List, Optional
 
@@ -30,23 +31,30 @@ class DecoderCache:
     `encoder_outs` holds one encoder output per model with one row per *source* of the cohort;
     `row_src` maps candidate rows to those source rows. Decoders whose encoder-attention keys are
     cached in the incremental state (fairseq's transformer) only need encoder outputs at the first
-    step, so they are dropped after it (see `needs_encoder_out_each_step`).
+    step, so they are dropped after it (see `transformer_decoders`).
     """
 
-    def __init__(self, model: EnsembleModel, encoder_outs: Optional[List[EncOut]], keep_encoder_out: bool):
+    def __init__(self, model: EnsembleModel, encoder_outs: Optional[List[EncOut]], keep_encoder_out: bool,
+                 n_sources: int):
         self.model = model
         self.states: List[IncState] = [{} for _ in range(model.models_size)]
         self.encoder_outs = encoder_outs
         self.keep_encoder_out = keep_encoder_out
+        # counted here, not read off the encoder output: its layout is the encoder's own (fairseq's
+        # legacy EncoderOut tuples, LSTM tuples and custom encoders put the batch anywhere)
+        self.n_sources = n_sources
         self.stepped = False
 
     def decoder_inputs(self, row_src: Tensor) -> Optional[List[EncOut]]:
         """Encoder outputs to hand to the decoder for candidate rows whose sources are `row_src`."""
         if self.encoder_outs is None:
             return encoder_out_stand_in(self.model, row_src.numel(), row_src.device)
-        if not self.stepped and row_src.numel() == _enc_batch(self.encoder_outs[0]):
+        if not self.stepped and row_src.numel() == self.n_sources:
             return self.encoder_outs  # first step: one candidate per source, same order
-        return self.model.reorder_encoder_out(self.encoder_outs, row_src)
+        # a shallow copy each: fairseq's FConvEncoder.reorder_encoder_out writes the reordered
+        # tensors into the dict it is given, which would turn the per-source outputs kept here
+        # into per-row ones
+        return self.model.reorder_encoder_out([copy.copy(e) for e in self.encoder_outs], row_src)
 
     def after_step(self) -> None:
         """Record that the incremental state now holds the encoder-attention keys."""
@@ -65,6 +73,7 @@ class DecoderCache:
 
     def select_sources(self, keep: Tensor) -> None:
         """Keep only the source rows `keep` of the stored encoder outputs (finished sources leave)."""
+        self.n_sources = keep.numel()
         if self.encoder_outs is not None:
             self.encoder_outs = self.model.reorder_encoder_out(self.encoder_outs, keep)
 
@@ -72,7 +81,7 @@ class DecoderCache:
     def cat(caches: List[DecoderCache]) -> DecoderCache:
         """Concatenate cohorts of equal target length (rows and sources in the given order)."""
         first = caches[0]
-        out = DecoderCache(first.model, None, first.keep_encoder_out)
+        out = DecoderCache(first.model, None, first.keep_encoder_out, sum(c.n_sources for c in caches))
         out.stepped = True
         assert all(c.stepped for c in caches), "only stepped cohorts are merged"
         out.states = [cat_incremental_states([c.states[i] for c in caches]) for i in range(len(first.states))]
@@ -118,11 +127,16 @@ def check_vocabulary(model: EnsembleModel, tgt_dict) -> None:
             )
 
 
-def needs_encoder_out_each_step(model: EnsembleModel) -> bool:
-    """False for decoders that cache encoder-attention keys (fairseq's TransformerDecoderBase)."""
+def transformer_decoders(model: EnsembleModel) -> bool:
+    """True when every decoder is fairseq's transformer decoder (TransformerDecoderBase). Its
+    incremental state is MultiheadAttention buffers that cache the encoder-attention keys, so
+    encoder outputs are needed at the first step only, and two cohorts' caches can be merged by
+    `DecoderCache.cat`. Other decoders (LSTM, fconv, custom) get their encoder outputs reordered
+    every step through the model's own `reorder_encoder_out`, and their cohorts are never merged:
+    streaming steps them separately, with the same output and more steps."""
     from fairseq.models.transformer import TransformerDecoderBase
 
-    return not all(isinstance(m.decoder, TransformerDecoderBase) for m in model.models)
+    return all(isinstance(m.decoder, TransformerDecoderBase) for m in model.models)
 
 
 def without_padding_mask(outs: List[EncOut]) -> List[EncOut]:
@@ -249,7 +263,3 @@ def _pad(t: Tensor, dim: int, length: int, value) -> Tensor:
     shape = list(t.shape)
     shape[dim] = length - t.size(dim)
     return torch.cat([t, t.new_full(shape, value)], dim)
-
-
-def _enc_batch(enc: EncOut) -> int:
-    return enc["encoder_out"][0].size(1)
