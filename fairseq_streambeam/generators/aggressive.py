@@ -343,7 +343,7 @@ class AggressiveGenerator(SequenceGenerator):
         return lprobs.view(-1, lprobs.size(-1))
 
     def _hypo(self, r: Row, dev) -> Dict[str, Tensor]:
-        pos = torch.tensor(r.lp, dtype=torch.float32)
+        pos = torch.tensor(r.lp, dtype=torch.float32, device=dev)  # on the model's device, as fairseq's output
         total = pos.sum()
         score = total / (len(r.out) ** self.len_penalty) if self.normalize_scores else total
         return {"tokens": torch.tensor(r.out, device=dev), "score": score, "attention": torch.empty(0),

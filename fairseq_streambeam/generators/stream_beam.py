@@ -308,14 +308,16 @@ class StreamBeamGenerator(SequenceGenerator):
         ranked = rank_candidates(b, lprobs, n_src, self.pruning, self.finalizer.ranked_per_source(),
                                  self.eos, self.pad)
         final, keep = self.finalizer.decide(ranked, c.n_final)
-        fin_best = torch.where(final, ranked.scores, ranked.scores.new_tensor(-math.inf)).max(1).values
+        # masked_fill with a Python -inf, not torch.where with new_tensor(-inf): a new device tensor
+        # from a host number is a host-to-device copy, which synchronizes on CUDA
+        fin_best = ranked.scores.masked_fill(~final, -math.inf).max(1).values
         best_final = torch.maximum(c.best_final, fin_best)
         keep = self.pruning.threshold_keep(ranked.scores, keep, best_final)
         n_final = c.n_final + final.sum(1)
         done = (n_final >= self.finalizer.target) | ~keep.any(1) | (c.max_len_t <= L)
         keep &= ~done.unsqueeze(1)
         lost = ranked.is_eos & ~final & ~keep
-        lost_best, lost_rank = torch.where(lost, ranked.scores, ranked.scores.new_tensor(-math.inf)).max(1)
+        lost_best, lost_rank = ranked.scores.masked_fill(~lost, -math.inf).max(1)
         improved = lost_best > c.lost_best
         c.lost_best = torch.maximum(c.lost_best, lost_best)
 
@@ -421,7 +423,7 @@ class StreamBeamGenerator(SequenceGenerator):
 
     def _empty_hypo(self, dev) -> Dict[str, Tensor]:
         """Defined output for a source whose every candidate was invalid (e.g. all -inf)."""
-        return {"tokens": torch.tensor([self.eos], device=dev), "score": torch.tensor(-math.inf),
+        return {"tokens": torch.tensor([self.eos], device=dev), "score": torch.tensor(-math.inf, device=dev),
                 "attention": torch.empty(0), "alignment": torch.empty(0),
                 "positional_scores": torch.tensor([-math.inf], device=dev)}
 

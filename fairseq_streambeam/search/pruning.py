@@ -41,6 +41,6 @@ class Pruning:
         """Mask of candidates within delta of the best of (top candidate, best finished)."""
         if math.isinf(self.delta):
             return valid
-        top = torch.where(valid, scores, scores.new_tensor(-math.inf)).max(dim=1).values
+        top = scores.masked_fill(~valid, -math.inf).max(dim=1).values  # no host-to-device copy of -inf
         ref = torch.maximum(top, best_final)
         return valid & (scores > (ref - self.delta).unsqueeze(1))
