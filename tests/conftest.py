@@ -11,6 +11,11 @@ PLUGIN = str(REPO / "fairseq_streambeam")  # --user-dir, whatever the working di
 torch.set_num_threads(int(os.environ.get("STREAMBEAM_TEST_THREADS", "2")))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs on a CUDA device (tests/test_cuda.py; `pytest -m cuda` on a GPU "
+                                       "machine), skipped without one")
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A real fairseq data-bin and a checkpoint trained for a few updates (no ../shared needed);
