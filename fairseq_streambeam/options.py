@@ -1,8 +1,11 @@
 """Command-line options of the plugin (fields of the task's dataclass) and their validation."""
 
+import dataclasses
 import math
+import os
+import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
@@ -33,6 +36,10 @@ class StreamBeamConfig(TranslationConfig):
         default="auto", metadata={"help": "fairseq: EOS candidates finish at once, k per source; sticky: "
                                           "the paper's rule, final only when top candidate; auto: sticky "
                                           "for var-*, fairseq otherwise"})
+    finish_count: Optional[int] = field(
+        default=None, metadata={"help": "z: finished hypotheses that end a source under the sticky rule (default "
+                                        "--beam k, as Yang et al.'s runs); --nbest prints at most z. An error "
+                                        "with the fairseq rule, which always finishes k"})
     refill_eps: float = field(
         default=1 / 6, metadata={"help": "eps: refill when fewer than eps*n sources are live (streaming)"})
     stream_order: ORDER_CHOICES = field(
@@ -119,3 +126,41 @@ def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_to
     if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None and "--lm-path" not in bad:
         bad.append("--lm-path")
     return bad
+
+
+def plugin_fields() -> List[dataclasses.Field]:
+    """The options this plugin adds to fairseq's TranslationConfig, in declaration order (what
+    other front ends, e.g. decode_corpus, expose so that they cannot drift from the task)."""
+    base = {f.name for f in dataclasses.fields(TranslationConfig)}
+    return [f for f in dataclasses.fields(StreamBeamConfig) if f.name not in base]
+
+
+def finalize_rule(decoding: str, finalize: str) -> str:
+    """The finalization rule a beam decoding uses: `--finalize`, with auto = sticky for var-*."""
+    finalize = str(finalize)
+    if finalize != "auto":
+        return finalize
+    return "sticky" if str(decoding).startswith("var-") else "fairseq"
+
+
+class UsageError(ValueError):
+    """An option that contradicts another or is out of range. A command line reports it in one line
+    on stderr, without a traceback (see `install_usage_error_hook`); Python callers catch a ValueError."""
+
+
+def install_usage_error_hook() -> None:
+    """Print an uncaught UsageError as `prog: error: message` (as argparse does) instead of a
+    traceback; any other exception goes to the previous hook. Installed once per process."""
+    previous = sys.excepthook
+    if getattr(previous, "streambeam_usage_hook", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, UsageError):
+            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+            print(f"{prog}: error: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+
+    hook.streambeam_usage_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

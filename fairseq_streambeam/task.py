@@ -21,12 +21,20 @@ from .drafters.ngram_lookup import LOOKUP_BLOCK, LookupDrafter, NgramTable
 from .generators.aggressive import AggressiveGenerator
 from .generators.stream_beam import STREAMING, StreamBeamGenerator
 from .models.block_drafter import load_drafter
-from .options import StreamBeamConfig, unsupported_generation_options
+from .options import (
+    StreamBeamConfig,
+    UsageError,
+    finalize_rule,
+    install_usage_error_hook,
+    unsupported_generation_options,
+)
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
 from .scorers.masks import TokenMaskScorer, load_masks
+from .search.finalize import FINISH_COUNT_NEEDS_STICKY, finished_per_source
 
 logger = logging.getLogger("fairseq_streambeam")
+install_usage_error_hook()  # option errors print one line under fairseq-generate & co., not a traceback
 
 # --draft-min-reach when not given. Measured on CPU (deen-tiny + a 30-minute drafter, newstest2017): gad
 # 2.06x -> 1.41x greedy's time at batch 1, 4.53x -> 2.52x at batch 32; iad's drafts are usually right and
@@ -41,7 +49,8 @@ class StreamBeamTranslationTask(TranslationTask):
     def __init__(self, cfg: StreamBeamConfig, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
         if cfg.stream_window < 1:
-            raise ValueError(f"--stream-window must be >= 1, got {cfg.stream_window}")
+            raise UsageError(f"--stream-window must be >= 1, got {cfg.stream_window}")
+        _check_finish_count(cfg)  # before fairseq loads the model; --nbest and --beam come later
         self.budget: Budget | None = None
         self._drafters: dict = {}  # (path, device, dtype) -> block_drafter; ("lookup", path, order) -> NgramTable
 
@@ -65,24 +74,32 @@ class StreamBeamTranslationTask(TranslationTask):
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
+        _check_finish_count(self.cfg)
         if str(self.cfg.decoding) == "fairseq":
             if self.cfg.lmbr_posteriors or self.cfg.token_masks:
-                raise ValueError("--lmbr-posteriors and --token-masks need one of this plugin's decodings, "
+                raise UsageError("--lmbr-posteriors and --token-masks need one of this plugin's decodings, "
                                  "not --decoding fairseq")
             return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                            extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
         bad = unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
         if bad:
-            raise ValueError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
+            raise UsageError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
                              "use --decoding fairseq for those")
         if str(self.cfg.decoding) in ("iad", "gad"):
             return self._aggressive_generator(models, args)
+        decoding, beam, nbest = str(self.cfg.decoding), getattr(args, "beam", 5), getattr(args, "nbest", 1)
+        try:  # the generator checks this too; here it is an option error of the command line
+            finished_per_source(finalize_rule(decoding, self.cfg.finalize), 1 if decoding == "greedy" else beam,
+                                self.cfg.finish_count, nbest)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         gen = StreamBeamGenerator(
             models, self.target_dictionary,
-            beam_size=getattr(args, "beam", 5),
+            beam_size=beam,
             **_fairseq_generation_kwargs(args),
-            nbest=getattr(args, "nbest", 1),
+            nbest=nbest,
+            finish_count=self.cfg.finish_count,
             decoding=str(self.cfg.decoding),  # fairseq ChoiceEnum members -> plain strings
             delta=self.cfg.prune_abs_threshold,
             max_cands=self.cfg.prune_max_cands,
@@ -100,12 +117,12 @@ class StreamBeamTranslationTask(TranslationTask):
     def _aggressive_generator(self, models, args):
         c, name = self.cfg, str(self.cfg.decoding)
         if c.lmbr_posteriors or c.token_masks:
-            raise ValueError(f"--lmbr-posteriors and --token-masks apply to the beam decodings, not --decoding {name}")
+            raise UsageError(f"--lmbr-posteriors and --token-masks apply to the beam decodings, not --decoding {name}")
         if getattr(args, "nbest", 1) > 1:
-            raise ValueError(f"--decoding {name} is greedy: it returns one hypothesis (--nbest 1)")
+            raise UsageError(f"--decoding {name} is greedy: it returns one hypothesis (--nbest 1)")
         if name == "gad":
             if bool(c.drafter) == bool(c.draft_lookup):
-                raise ValueError("--decoding gad needs either --drafter PATH (a block_drafter checkpoint; see "
+                raise UsageError("--decoding gad needs either --drafter PATH (a block_drafter checkpoint; see "
                                  "scripts/train_drafter.sh) or --draft-lookup TEXT (an n-gram table), not both")
             if c.drafter:
                 drafter = ModelDrafter(self._drafter_model(c.drafter, models[0]), self.target_dictionary,
@@ -114,7 +131,7 @@ class StreamBeamTranslationTask(TranslationTask):
                 drafter = self._lookup_drafter(c.draft_lookup, c.draft_lookup_order, c.block_size)
         else:
             if c.drafter or c.draft_lookup or c.gad_beta != 1 or c.gad_tau != math.inf or c.no_draft_switch:
-                raise ValueError("--drafter, --draft-lookup, --gad-beta, --gad-tau and --no-draft-switch apply to "
+                raise UsageError("--drafter, --draft-lookup, --gad-beta, --gad-tau and --no-draft-switch apply to "
                                  "--decoding gad")
             drafter = InputCopyDrafter(c.iad_ngram, c.block_size)
         gen = AggressiveGenerator(
@@ -163,6 +180,19 @@ class StreamBeamTranslationTask(TranslationTask):
                                       constraints=constraints)
 
 
+def _check_finish_count(cfg: StreamBeamConfig) -> None:
+    """--finish-count needs a decoding with the sticky rule and must be >= 1 (its upper bound, the
+    beam size, is a generation option that fairseq hands over only with build_generator)."""
+    z = cfg.finish_count
+    if z is None:
+        return
+    decoding = str(cfg.decoding)
+    if decoding in ("iad", "gad", "fairseq") or finalize_rule(decoding, cfg.finalize) != "sticky":
+        raise UsageError(FINISH_COUNT_NEEDS_STICKY)
+    if z < 1:
+        raise UsageError(f"--finish-count must be >= 1, got {z}")
+
+
 def _fairseq_generation_kwargs(args) -> dict:
     """fairseq's generation options (GenerationConfig or a Namespace) as generator arguments."""
     return dict(
@@ -189,7 +219,8 @@ def _report_at_exit(gen, name: str) -> None:
 
 def attach_to_hub(hub, **options):
     """Make a fairseq hub interface (`TransformerModel.from_pretrained(...)`) decode through this
-    plugin's task, e.g. `attach_to_hub(hub, decoding="var-stream")`; returns the hub."""
+    plugin's task; `options` are the task's fields, e.g. `attach_to_hub(hub, decoding="var-stream",
+    finish_count=1)`. Returns the hub."""
     import dataclasses
 
     old = hub.task

@@ -2,11 +2,18 @@
 
 import math
 
+import pytest
 import torch
 
 from fairseq_streambeam.runtime.scheduler import Budget, Scheduler
 from fairseq_streambeam.search.beam_state import Beams, rank_candidates
-from fairseq_streambeam.search.finalize import FairseqFinalize, Ranked, StickyFinalize
+from fairseq_streambeam.search.finalize import (
+    FairseqFinalize,
+    Ranked,
+    StickyFinalize,
+    build_finalize,
+    finished_per_source,
+)
 from fairseq_streambeam.search.pruning import Pruning
 
 EOS, PAD = 2, 1
@@ -36,17 +43,47 @@ def test_fairseq_rule_stops_at_k_finished():
 
 def test_sticky_rule_finalizes_only_a_leading_run_of_ended():
     r = ranked([[-1.0, -1.2, -1.5]], [[PAD, 7, EOS]], carried=[[True, False, False]])
-    final, keep = StickyFinalize(beam_size=3, nbest=1).decide(r, torch.tensor([0]))
+    final, keep = StickyFinalize(beam_size=3, finish_count=1).decide(r, torch.tensor([0]))
     assert final.tolist() == [[True, False, False]]
     assert keep.tolist() == [[False, True, True]]  # the EOS at rank 2 stays on the beam, not final
     r = ranked([[-1.0, -1.2, -1.5]], [[7, EOS, 8]])
-    final, keep = StickyFinalize(beam_size=3, nbest=1).decide(r, torch.tensor([0]))
+    final, keep = StickyFinalize(beam_size=3, finish_count=1).decide(r, torch.tensor([0]))
     assert not final.any() and keep.tolist() == [[True, True, True]]
+
+
+def test_sticky_finish_count_caps_a_leading_run():
+    """A leading run of three ended candidates: z = 2 finalizes two (and the source is done), z = k
+    all three; z defaults to k."""
+    r = ranked([[-1.0, -1.1, -1.2, -1.5]], [[PAD, EOS, EOS, 7]], carried=[[True, False, False, False]])
+    final, keep = StickyFinalize(beam_size=4, finish_count=2).decide(r, torch.tensor([0]))
+    assert final.tolist() == [[True, True, False, False]]
+    assert keep.tolist() == [[False, False, True, True]]
+    final, _ = StickyFinalize(beam_size=4, finish_count=4).decide(r, torch.tensor([0]))
+    assert final.tolist() == [[True, True, True, False]]
+    assert StickyFinalize(beam_size=4).target == 4
+    final, _ = StickyFinalize(beam_size=4, finish_count=3).decide(r, torch.tensor([1]))  # one already final
+    assert final.tolist() == [[True, True, False, False]]
+
+
+def test_finish_count_and_nbest_are_checked():
+    assert finished_per_source("sticky", 5) == 5
+    assert finished_per_source("sticky", 5, 2, nbest=2) == 2
+    assert finished_per_source("fairseq", 5, nbest=5) == 5
+    with pytest.raises(ValueError, match="--finish-count applies to the sticky rule"):
+        finished_per_source("fairseq", 5, 5)
+    for z in (0, 6):
+        with pytest.raises(ValueError, match="between 1 and the beam size"):
+            finished_per_source("sticky", 5, z)
+    with pytest.raises(ValueError, match="--nbest 3 asks for more hypotheses than the 2"):
+        build_finalize("sticky", 5, 2, nbest=3)
+    with pytest.raises(ValueError, match="--nbest 6 asks for more hypotheses than the 5"):
+        build_finalize("fairseq", 5, nbest=6)
+    assert isinstance(build_finalize("sticky", 5, 2, nbest=2), StickyFinalize)
 
 
 def test_sticky_width_shrinks_with_finished():
     r = ranked([[-1.0, -1.2, -1.5]], [[7, 8, 9]])
-    _, keep = StickyFinalize(beam_size=3, nbest=3).decide(r, torch.tensor([2]))
+    _, keep = StickyFinalize(beam_size=3, finish_count=3).decide(r, torch.tensor([2]))
     assert keep.tolist() == [[True, False, False]]
 
 

@@ -1,5 +1,5 @@
-"""Invariant 2: VAR-STREAM == VAR-BATCH == each source decoded alone, whatever the budgets and
-schedule (float64 models, so batch composition cannot move a float32 rounding)."""
+"""Invariant 2: VAR-STREAM == VAR-BATCH == each source decoded alone, whatever the budgets, schedule
+and finish count (float64 models, so batch composition cannot move a float32 rounding)."""
 
 import pytest
 from helpers import assert_same_hypos, make_dict, make_sample, ours, random_sentences, random_transformer
@@ -23,16 +23,23 @@ def _alone(models, decoding, **kw):
     return out
 
 
-@pytest.fixture(scope="module", params=["sticky", "fairseq"])
+# (finalization rule, finish count z): the sticky rule with z = k (default), 1 and 3; fairseq finishes k
+RULES = [("sticky", None), ("sticky", 1), ("sticky", 3), ("fairseq", None)]
+
+
+@pytest.fixture(scope="module", params=RULES, ids=[f"{r}-z{z or 'k'}" for r, z in RULES])
 def var_reference(request):
     """var-batch over the whole batch, and each source decoded alone."""
-    kw = dict(KW, finalize=request.param, delta=1.2, max_cands=3)
+    rule, z = request.param
+    kw = dict(KW, finalize=rule, finish_count=z, delta=1.2, max_cands=3)
     batch = ours(MODELS, D, SAMPLE, decoding="var-batch", **kw)[0]
     assert_same_hypos(batch, _alone(MODELS, "var-batch", **kw), atol=1e-5, msg="var-batch vs alone")
+    most, z_eff = max(len(h) for h in batch), z or KW["beam_size"]
+    assert most <= z_eff and (most > 1) == (z_eff > 1)  # z bounds the finished lists and is reached past 1
     return kw, batch
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(1, 20),  # up to more than the 14 sources: everything admitted at once
     tokens=st.one_of(st.none(), st.integers(8, 60)),

@@ -127,6 +127,8 @@ class StreamBeamGenerator(SequenceGenerator):
 
     decoding: beam | greedy | var-batch | var-stream | fixed-stream. delta / max_cands: the paper's
     pruning (var-* only; defaults 1.5 and 5). finalize: fairseq | sticky | auto (sticky for var-*).
+    finish_count (z): finished hypotheses that end a source under the sticky rule (default k; an
+    error with the fairseq rule). nbest: hypotheses the caller reads, at most those that end a source.
     budget: live sources for streaming modes. refill_eps: refill when fewer than eps*n are live.
     max_wait: step a cohort that waited this many steps first (latency bound; 0 = off).
     """
@@ -152,6 +154,7 @@ class StreamBeamGenerator(SequenceGenerator):
         max_cands: Optional[int] = None,
         finalize: str = "auto",
         nbest: int = 1,
+        finish_count: Optional[int] = None,
         stream_order: str = "min-length",
         budget: Optional[Budget] = None,
         refill_eps: float = 1 / 6,
@@ -171,7 +174,7 @@ class StreamBeamGenerator(SequenceGenerator):
         check_vocabulary(self.model, tgt_dict)
         self.mode = DecodeMode.resolve(decoding, self.beam_size, delta, max_cands, finalize, stream_order)
         self.pruning = self.mode.pruning
-        self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, nbest)
+        self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, finish_count, nbest)
         self.scheduler = Scheduler(self.mode.policy, budget or Budget(), refill_eps, max_wait)
         self.width = float(self.pruning.beam_size) / 2  # candidates per live source, refined as it runs
         self.penalties = FairseqPenalties(

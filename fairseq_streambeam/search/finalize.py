@@ -7,6 +7,7 @@ state. Scores are raw cumulative log-probs; the length penalty only normalizes r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -22,6 +23,11 @@ class Ranked:
     valid: Tensor  # bool
     is_eos: Tensor  # bool: the token is EOS (a newly finished candidate)
     carried: Tensor  # bool: a finished candidate carried over (sticky rule only)
+
+
+FINISH_COUNT_NEEDS_STICKY = ("--finish-count applies to the sticky rule (--decoding var-batch/var-stream or "
+                             "--finalize sticky); the fairseq rule always ends a source with k (--beam) finished "
+                             "hypotheses")
 
 
 class FairseqFinalize:
@@ -52,14 +58,16 @@ class FairseqFinalize:
 class StickyFinalize:
     """The paper's rule (Yang et al. 2020): a candidate that ends stays on the beam with its score
     frozen and is final only when it becomes the top candidate of its source; a source keeps at most
-    k - (finished) candidates and is done once `nbest` hypotheses are final."""
+    k - (finished) candidates and is done once `finish_count` (z) hypotheses are final. z defaults to
+    k, as in the authors' runs (`find_top_z = k`): with z = 1 a source stops at its first final
+    hypothesis, before others that may score better after length normalization have finished."""
 
     name = "sticky"
     carries_finished = True
 
-    def __init__(self, beam_size: int, nbest: int):
+    def __init__(self, beam_size: int, finish_count: Optional[int] = None):
         self.k = beam_size
-        self.target = max(1, min(nbest, beam_size))
+        self.target = finished_per_source("sticky", beam_size, finish_count)
 
     def ranked_per_source(self) -> int:
         return self.k
@@ -74,9 +82,32 @@ class StickyFinalize:
         return final, keep
 
 
-def build_finalize(rule: str, beam_size: int, nbest: int):
+def finished_per_source(rule: str, beam_size: int, finish_count: Optional[int] = None, nbest: int = 1) -> int:
+    """How many finished hypotheses end a source under `rule` (at most that many are returned);
+    raises ValueError, with the option names, for a finish count the rule cannot honour or an
+    `nbest` that asks for more hypotheses than a source gets."""
+    if rule == "fairseq":
+        if finish_count is not None:
+            raise ValueError(FINISH_COUNT_NEEDS_STICKY)
+        count = beam_size
+    elif rule == "sticky":
+        count = beam_size if finish_count is None else finish_count
+        if not 1 <= count <= beam_size:
+            raise ValueError(f"--finish-count must be between 1 and the beam size ({beam_size}), got {count}")
+    else:
+        raise ValueError(f"unknown finalization rule {rule!r} (expected fairseq or sticky)")
+    if nbest > count:
+        by = "--finish-count" if finish_count is not None else "the beam size"
+        raise ValueError(f"--nbest {nbest} asks for more hypotheses than the {count} that end a source ({by}); "
+                         f"lower --nbest or raise {'--finish-count' if finish_count is not None else '--beam'}")
+    return count
+
+
+def build_finalize(rule: str, beam_size: int, finish_count: Optional[int] = None,
+                   nbest: int = 1) -> Union[FairseqFinalize, StickyFinalize]:
+    """The finalization rule `rule` (fairseq or sticky), checked against `nbest` (see
+    `finished_per_source`)."""
+    finished_per_source(rule, beam_size, finish_count, nbest)
     if rule == "fairseq":
         return FairseqFinalize(beam_size)
-    if rule == "sticky":
-        return StickyFinalize(beam_size, nbest)
-    raise ValueError(f"unknown finalization rule {rule!r} (expected fairseq or sticky)")
+    return StickyFinalize(beam_size, finish_count)
