@@ -9,12 +9,14 @@
 #   DIR holds the dictionaries, checkpoints (--checkpoints, ':'-separated, relative to DIR or
 #   absolute) and bpecodes; --tokenizer/--bpe none for pre-tokenized text (CI does this on a tiny model).
 # Anything after `--` goes to `python -m fairseq_streambeam.bench` (e.g. -- --limit 500 --threads 4).
+# The paper configs use the authors' settings: delta 1.5, M 5, eps 1/6 and sticky finalization that ends
+# a source at z = k finished hypotheses (their find_top_z = k); `-- --finish-count 1` compares z = 1.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 pair=de-en; model_dir=""; src=""; ref=""; config="$here/configs/paper_k50.json"; out="results/wmt19"
 repeats=5; checkpoints="model1.pt:model2.pt:model3.pt:model4.pt"; tokenizer=moses; bpe=fastbpe
 python="${PYTHON:-python}"
-usage() { sed -n '2,12p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,14p' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --pair) pair="$2"; shift 2;;

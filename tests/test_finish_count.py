@@ -2,12 +2,13 @@
 
 The generator's finished lists equal a slow plain-Python implementation of the rule that decodes
 one source at a time (float64 random models: token ids and scores); --nbest above z, or z with the
-fairseq rule, is refused in one line; the option reaches the generator from fairseq-generate and the
-hub.
+fairseq rule, is refused in one line; the option reaches the generator from fairseq-generate, the
+hub and the bench (decode_corpus: tests/test_decode_corpus.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -216,3 +217,35 @@ def test_hub_accepts_finish_count(tiny_run):
     assert len(hub.translate(["w1 w2 w3", "w4"], beam=4)) == 2
     with pytest.raises(ValueError, match="--finish-count applies to the sticky rule"):
         attach_to_hub(hub, decoding="beam", finish_count=2)
+
+
+def test_bench_finish_count_setting_and_variant(tiny_run, tmp_path):
+    """The run-wide finish count goes to the sticky methods only (fairseq-rule methods finish k); a
+    variant's own value wins; the default is k."""
+    from fairseq_streambeam.bench.__main__ import main as bench_main
+
+    data, ckpt = tiny_run
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"beam": 4, "batch_size": 8, "finish_count": 2, "variants": [
+        "beam", "var-batch", {"name": "var-batch[z=1]", "decoding": "var-batch", "finish_count": 1},
+        {"name": "var-batch[z=4]", "decoding": "var-batch", "finish_count": 4}]}))
+    seen = []
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    build = StreamBeamTranslationTask.build_generator
+
+    def spy(self, models, args, *a, **kw):
+        gen = build(self, models, args, *a, **kw)
+        seen.append((str(self.cfg.decoding), gen.finalizer.target))
+        return gen
+
+    StreamBeamTranslationTask.build_generator = spy
+    try:
+        rows = bench_main(["--data", str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt", "--post-process",
+                           "none", "--out", str(tmp_path / "out"), "--quiet", "--limit", "12", "--no-plots",
+                           "--config", str(cfg), "--baseline", "beam"])
+    finally:
+        StreamBeamTranslationTask.build_generator = build
+    assert [r["method"] for r in rows] == ["beam", "var-batch", "var-batch[z=1]", "var-batch[z=4]"]
+    assert seen == [("beam", 4), ("var-batch", 2), ("var-batch", 1), ("var-batch", 4)]
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"]["finish_count"] == 2

@@ -22,7 +22,7 @@ import torch
 from .variants import BUILTIN, Variant, load_config, parse_methods
 
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
-                stream_window=32, repeats=1, threads=1, limit=0, finalize="auto",
+                stream_window=32, repeats=1, threads=1, limit=0, finalize="auto", finish_count=None,
                 methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam", drafter=None,
                 draft_lookup=None, corpus_order=False)
 
@@ -56,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--stream-window", type=int)
     p.add_argument("--refill-eps", type=float)
     p.add_argument("--finalize", choices=["auto", "fairseq", "sticky"])
+    p.add_argument("--finish-count", type=int,
+                   help="sticky-rule methods: finished hypotheses that end a source (default: the beam size k, "
+                        "as in Yang et al.'s runs); a variant's own finish_count wins")
     p.add_argument("--corpus-order", action="store_const", const=True,
                    help="batch sentences in corpus order (fairseq methods; default: fairseq's length-sorted batches)")
     p.add_argument("--limit", type=int, help="decode an evenly spaced subset of about this many sentences")
@@ -136,8 +139,10 @@ def main(argv=None):
         ts = bench_data.from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
     n = len(ts.dataset)
     order = "corpus order" if settings["corpus_order"] else "length-sorted"
+    z = settings["finish_count"] or "k"
     print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']} "
-          f"({order}), {settings['repeats']} repeat(s): {', '.join(v.name for v in variants)}", flush=True)
+          f"({order}), sticky finish count {z}, {settings['repeats']} repeat(s): "
+          f"{', '.join(v.name for v in variants)}", flush=True)
 
     if any(v.decoding == "gad" and not v.lookup for v in variants) and not settings["drafter"]:
         raise SystemExit("the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)")
@@ -246,6 +251,7 @@ def _set_lmbr(task, args, path) -> None:
 
 
 def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:
+    # the bench scores each source's best hypothesis (nbest 1); how many finish is task.cfg.finish_count
     return argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
                               max_len_b=settings["max_len_b"], min_len=1, unkpen=0, temperature=1.0, nbest=1,
                               unnormalized=False)
@@ -262,6 +268,7 @@ def _greedy_truth(task, models, variants, settings: dict, ts, use_cuda: bool):
     return {tuple(ts.dataset.src[i].tolist()): hyps[i] for i in range(len(ts.dataset))}
 
 
+BEAM_DECODINGS = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream")  # StreamBeamGenerator's
 # bench methods that run a task decoding with something replaced (the aggressive ones: the drafter)
 TASK_DECODING = {"fairseq-greedy": "fairseq", "gad-oracle": "iad", "no-draft": "iad"}
 
@@ -271,6 +278,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     from fairseq import utils
 
     from fairseq_streambeam.drafters.oracle import NoDrafter, OracleDrafter
+    from fairseq_streambeam.options import finalize_rule
 
     task.cfg.decoding = TASK_DECODING.get(v.decoding, v.decoding)
     variable = v.decoding.startswith("var-")
@@ -278,6 +286,10 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.prune_max_cands = v.max_cands if variable else None
     task.cfg.refill_eps = v.refill_eps if v.refill_eps is not None else settings["refill_eps"]
     task.cfg.finalize = v.finalize or settings["finalize"]
+    sticky = v.decoding in BEAM_DECODINGS and finalize_rule(v.decoding, task.cfg.finalize) == "sticky"
+    # None = k; a run-wide setting applies to the sticky-rule methods only (the fairseq rule finishes k)
+    task.cfg.finish_count = v.finish_count if v.finish_count is not None else (
+        settings["finish_count"] if sticky else None)
     task.cfg.stream_order = v.stream_order or "min-length"
     task.cfg.stream_window = settings["stream_window"]
     task.cfg.block_size = v.block_size or 0

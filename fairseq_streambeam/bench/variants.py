@@ -21,6 +21,7 @@ class Variant:
     max_cands: Optional[int] = None
     refill_eps: Optional[float] = None
     finalize: Optional[str] = None
+    finish_count: Optional[int] = None  # sticky rule: finished hypotheses that end a source (default: the run's)
     stream_order: Optional[str] = None
     lmbr: bool = False  # score with the run's --lmbr-posteriors
     block_size: Optional[int] = None  # aggressive decoding: draft cap (0 = auto)
