@@ -20,11 +20,13 @@ all shards done merges (merging is idempotent).
 from __future__ import annotations
 
 import argparse
+import enum
 import hashlib
 import json
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -33,6 +35,12 @@ SHARD = "shard-{:05d}"
 _ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accepted_tokens", "verified_rows",
              "block_slots", "backoff_hypotheses",
              "model_seconds", "draft_seconds", "total_seconds", "source_positions", "padded_positions")
+
+
+# decode_corpus's own default and choices for the task's --decoding: streaming by default, and not
+# `fairseq` (fairseq's stock generator keeps no counters for the shard records)
+DECODING_DEFAULT = "var-stream"
+DECODING_CHOICES = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad")
 
 
 def parse_args(argv=None):
@@ -49,16 +57,6 @@ def parse_args(argv=None):
     p.add_argument("--bpe-codes")
     p.add_argument("--sentencepiece-model")
     p.add_argument("--shard-lines", type=int, default=100_000)
-    p.add_argument("--decoding", default="var-stream",
-                   choices=["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad"])
-    p.add_argument("--drafter", help="--decoding gad: block_drafter checkpoint")
-    p.add_argument("--draft-lookup", help="--decoding gad, instead of --drafter: target-side text (tokenized and "
-                                          "segmented like the model's target) whose n-grams make the drafts")
-    p.add_argument("--gad-beta", type=int, default=1, help="--decoding gad: 1 = greedy output, >1 = GAD++")
-    p.add_argument("--gad-tau", type=float, default=float("inf"), help="--decoding gad++: log-prob tolerance")
-    p.add_argument("--no-draft-switch", action="store_true",
-                   help="--decoding gad: draft in every pass (default: passes skip drafts that cost more "
-                        "time per token than they save; output unchanged)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--lenpen", type=float, default=1.0)
     p.add_argument("--max-len-a", type=float, default=0)
@@ -68,7 +66,31 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (set explicitly)")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even when present")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_task_options(p.add_argument_group("decoding options of --task streambeam_translation"))
     return p.parse_args(argv)
+
+
+def add_task_options(p) -> None:
+    """Every option the plugin adds to its task (options.plugin_fields), with the task's types,
+    defaults and help: the task's dataclass is the one list, so the two cannot drift apart."""
+    from fairseq_streambeam.options import plugin_fields
+
+    for f in plugin_fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
+        kind, default = f.type, f.default
+        if f.name == "decoding":
+            p.add_argument(flag, default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum
+            p.add_argument(flag, default=default, choices=[str(c.value) for c in kind], help=help_text)
+        elif kind is bool:
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
+            p.add_argument(flag, action=action, default=default, help=help_text)
+        else:
+            inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            if len(inner) != 1 or inner[0] not in (int, float, str):
+                raise TypeError(f"decode_corpus cannot expose task option {f.name} of type {kind}")
+            p.add_argument(flag, type=inner[0], default=default, help=help_text)
 
 
 # ---- input and bookkeeping (no model) ----------------------------------------------------------
@@ -168,16 +190,14 @@ class ShardDecoder:
         from fairseq import checkpoint_utils, utils
 
         import fairseq_streambeam  # noqa: F401
-        from fairseq_streambeam.options import StreamBeamConfig
+        from fairseq_streambeam.options import StreamBeamConfig, plugin_fields
         from fairseq_streambeam.task import StreamBeamTranslationTask
         from fairseq_streambeam.textio import TextCodec
 
         torch.set_num_threads(args.threads)
         cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
                                train_subset="train", dataset_impl=None, required_seq_len_multiple=1,
-                               decoding=args.decoding, drafter=args.drafter, draft_lookup=args.draft_lookup,
-                               gad_beta=args.gad_beta,
-                               gad_tau=args.gad_tau, no_draft_switch=args.no_draft_switch)
+                               **{f.name: getattr(args, f.name) for f in plugin_fields()})
         self.task = StreamBeamTranslationTask.setup_task(cfg)
         self.models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=self.task)
         self.cuda = torch.cuda.is_available() and not args.cpu

@@ -1,8 +1,12 @@
 """Sharded, resumable corpus decoding: merge order and count, resume after a killed worker, a
-half-written shard is redone, torchrun 2-process run == 1-process run, manifest schema, bad input."""
+half-written shard is redone, torchrun 2-process run == 1-process run, manifest schema, bad input;
+every decoding option of the task is an option here and reaches the generator."""
 
 import json
+import math
 import shutil
+import typing
+from typing import List, Optional
 
 import pytest
 from helpers import BIN, run_cli
@@ -123,3 +127,73 @@ def test_gad_corpus_equals_greedy(corpus, tiny_drafter, tmp_path):
     assert greedy.count("\n") == n
     totals = json.loads((tmp_path / "gad" / "manifest.json").read_text())["totals"]
     assert totals["verified_rows"] >= n and totals["accepted_tokens"] >= n
+
+
+def _tiny_args(tiny_run, tmp_path, *extra: str) -> List[str]:
+    data, ckpt = tiny_run
+    return ["--input", str(data.parent / "test.src"), "--data", str(data), "--path", str(ckpt), "-s", "src",
+            "-t", "tgt", "--shard-lines", "100", "--beam", "4", "--batch-size", "8", "--cpu", "--quiet",
+            "--output-dir", str(tmp_path), *extra]
+
+
+def _non_default(f) -> Optional[object]:
+    """A value different from the field's default, of its type (None where no generic one fits)."""
+    kinds = [a for a in typing.get_args(f.type) if a is not type(None)] or [f.type]
+    kind = kinds[0]
+    if kind is bool:
+        return not f.default
+    if kind is int:
+        return 2 if f.default in (None, 0, 1) else f.default + 1
+    if kind is float:
+        return 0.25 if f.default in (None, math.inf) else f.default * 0.5
+    if kind is str:
+        return "some-path"
+    return None
+
+
+def test_decode_corpus_exposes_every_task_option(tiny_run, tmp_path):
+    """Every field the plugin adds to the task's dataclass is a decode_corpus option and reaches
+    the task's config with a non-default value (fails when a field is added and not passed on)."""
+    from fairseq_streambeam.decode_corpus import ShardDecoder, parse_args
+    from fairseq_streambeam.options import plugin_fields
+
+    fields = plugin_fields()
+    assert {"finish_count", "prune_abs_threshold", "prune_max_cands", "refill_eps", "stream_order",
+            "lmbr_posteriors", "token_masks", "decoding", "finalize"} <= {f.name for f in fields}
+    chosen = {"decoding": "var-batch", "finalize": "sticky", "stream_order": "fifo", "finish_count": 3}
+    argv = _tiny_args(tiny_run, tmp_path)
+    for f in fields:
+        value = chosen.get(f.name, _non_default(f))
+        assert value is not None, f"no test value for the new option {f.name}: extend _non_default"
+        chosen[f.name] = value
+        flag = "--" + f.name.replace("_", "-")
+        argv += [flag] if isinstance(value, bool) else [flag, str(value)]
+    args = parse_args(argv)
+    for name, value in chosen.items():
+        assert getattr(args, name) == value, name
+    dec = ShardDecoder(args)
+    for name, value in chosen.items():
+        assert str(getattr(dec.task.cfg, name)) == str(value), name
+
+
+def test_decode_corpus_options_reach_the_generator(tiny_run, tmp_path):
+    """A decode with --finish-count and --prune-abs-threshold: the generator that decoded the shard
+    has them, and the output equals the generator's own best hypotheses for those options."""
+    from fairseq_streambeam.decode_corpus import ShardDecoder, main, parse_args
+
+    extra = ("--decoding", "var-batch", "--finish-count", "1", "--prune-abs-threshold", "0.7")
+    assert main(_tiny_args(tiny_run, tmp_path / "a", *extra)) == 0
+    dec = ShardDecoder(parse_args(_tiny_args(tiny_run, tmp_path / "b", *extra)))
+    lines = (tiny_run[0].parent / "test.src").read_bytes().split(b"\n")[:-1]
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    hyps, counters, _ = dec.decode(lines, Bar())
+    assert dec.gen.finalizer.target == 1 and dec.gen.pruning.delta == 0.7 and dec.gen.mode.name == "var-batch"
+    assert counters["sentences"] == len(lines)
+    assert (tmp_path / "a" / "output.txt").read_text(encoding="utf-8") == "".join(h + "\n" for h in hyps)
+    default = ShardDecoder(parse_args(_tiny_args(tiny_run, tmp_path / "c", "--decoding", "var-batch")))
+    default.decode(lines[:3], Bar())
+    assert default.gen.finalizer.target == 4 and default.gen.pruning.delta == 1.5
