@@ -73,12 +73,12 @@ class StreamBeamConfig(TranslationConfig):
     block_size: int = field(
         default=0, metadata={"help": "aggressive decoding: most draft tokens verified per pass (0 = auto: "
                                      "iad: the whole remaining source for one row, 8 when batched; "
-                                     "gad: the drafter's trained --draft-block-size)"})
+                                     "gad: the drafter's trained --draft-block-size, 4 with --draft-lookup)"})
     draft_min_reach: Optional[float] = field(
         default=None, metadata={"help": "aggressive decoding: verify a draft position only while its estimated "
                                         "chance of being reached (all earlier drafts accepted, measured online) "
                                         "is at least this; 0 = verify every draft token; default: 0.25 for gad, "
-                                        "0 for iad (measured on CPU). Output unchanged"})
+                                        "0 for iad (see docs/benchmarks.md). Output unchanged"})
     drafter: Optional[str] = field(
         default=None, metadata={"help": "gad: block_drafter checkpoint (scripts/train_drafter.sh) with the "
                                         "verifier's target dictionary"})

@@ -21,7 +21,7 @@ class CopyState:
     from_guess: bool = False  # the draft being verified was copied from `guess`
 
 
-AUTO_BATCHED_BLOCK = 8  # measured on gec-tiny, CoNLL-14, CPU: batch 32 fastest at 4-8, batch 1 uncapped
+AUTO_BATCHED_BLOCK = 8  # batched rows pay for the widest draft: a cap (docs/benchmarks.md); a lone row is uncapped
 
 
 class InputCopyDrafter:

@@ -5,8 +5,8 @@ occurred earlier in the same output (repetition), else (2) the most frequent con
 longest known context (up to `order` tokens) in a table built from target-side text, best the
 model's own greedy output on training sources (what `scripts/train_drafter.sh --beam 1` writes).
 Drafting costs no model pass and no training; verification keeps the output exactly greedy's.
-The first draft token is right less often than with the trained block drafter, but a pass
-costs little more than one without drafts (measured in the README)."""
+The first draft token is right less often than with a trained block drafter, but a pass costs
+little more than one without drafts (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,8 @@ from torch import Tensor
 from .base import pad_drafts
 
 SELF_CONTEXT = 2  # tokens of the output's tail looked up earlier in the same output
-# Defaults from a simulation on deen-tiny's greedy output for newstest2017 (3000 sentences, every
-# pass drafting, table of its greedy output on the 68,756 training sources): tokens per pass 1.50 /
-# 1.56 / 1.58 with 2 / 4 / 8 draft tokens; 1.56 / 1.55 / 1.54 with contexts of up to 2 / 3 / 4
-# tokens; 1.51 when contexts of one token are not used, 1.52 without repeats from the output.
+# Defaults chosen by simulated tokens per pass (docs/benchmarks.md): longer drafts add little,
+# longer contexts nothing; one-token contexts and repeats from the output help.
 LOOKUP_BLOCK = 4
 LOOKUP_ORDER = 2
 

@@ -175,7 +175,7 @@ class AggressiveGenerator(SequenceGenerator):
         d = max(lens, default=0)
         drafts = drafts[:, :d]  # a drafter may draft more than the caps allow: those slots are not verified
         m = 1 + d
-        # the block's layout on the host (numpy: a few microseconds where torch ops cost more)
+        # the block's layout on the host (numpy: cheaper than a few small torch ops)
         arange = np.arange(m)
         pad_h = arange[None, :] > np.asarray(lens)[:, None]  # slot j > 0 holds draft token j - 1
         steps_h = np.fromiter((len(r.out) for r in g.rows), np.int64, n)[:, None] + arange

@@ -123,13 +123,11 @@ def forward_block(decoder, tokens: Tensor, positions: Tensor, encoder_out, state
     return output_layer(decoder, x)
 
 
-# CPU adapter for the vocabulary projection. MKL computes x @ W.T ([rows, C] by fairseq's [V, C]
-# weight) for 4-8 rows in about twice the time of 1 row, while the same product against a
-# contiguous [C, V] copy costs about 1.2x (deen-tiny's 8008 x 256 projection, 1 thread: 4 rows
-# 664 -> 396 us, 8 rows 998 -> 470 us, 16 rows 854 -> 665 us; 1-3 rows equal). A block of 4 or
-# more slots uses the copy; one-token passes keep F.linear, which is fairseq's own product. The
-# two kernels round differently in the last bits, as a multi-row product already does against
-# fairseq's one row per step.
+# CPU adapter for the vocabulary projection. On a CPU (MKL), x @ W.T for a few rows against
+# fairseq's [V, C] weight costs much more than one row, and less against a contiguous [C, V] copy
+# (timings in docs/benchmarks.md). A block of 4 or more slots uses the copy; one-token passes keep
+# F.linear, which is fairseq's own product. The two kernels round differently in the last bits, as
+# a multi-row product already does against fairseq's one row per step.
 TRANSPOSED_MIN_ROWS = 4
 _TRANSPOSED: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()  # (weight, version, copy)
 

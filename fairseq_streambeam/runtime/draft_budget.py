@@ -59,41 +59,26 @@ class DraftSwitch:
     A drafter that is rarely right makes every pass dearer (GAD runs the drafter model each pass)
     while adding few tokens; then passes without drafts are faster, with the same output. The
     switch keeps exponential averages of seconds and of accepted tokens per pass, with and without
-    drafts, uses the mode with fewer seconds per token (the ratio of the two averages), and
-    re-measures the other one now and then (one pass, its time weighed at 0.5): after `first_probe`
-    passes, doubling the wait (up to `max_probe`) each time it loses again. It changes mode only
-    when `confirm` probes in a row (`first_probe` passes apart) found the other mode cheaper, and
-    averages tokens per pass more slowly (`token_alpha`) than seconds. With lookup drafts at batch
-    1, drafting is only about 15% cheaper per token and a drafting pass yields 1-5 tokens, so single
-    probes and a fast token average sent about a third of the passes without drafts. One-process
-    A/B on deen-tiny (1 thread, ratio to fairseq greedy; one probe deciding -> these rules):
-    lookup drafts, 150 sentences, batch 1: 0.615 -> 0.592 (drafting every pass 0.590); 480
-    sentences in sorted batches of 32: 0.753 -> 0.723 (every pass 0.937, no drafts 0.823); the
-    trained drafter, same batches: 0.877 -> 0.907 (no drafts 0.793; 2 repeats). In one window of
-    480 sentences with refill (fairseq-generate's default for this plugin) lookup drafts stay
-    dearer than none either way, 1.17x -> 1.25x no drafts' time (drafting always 1.33x): per-pass
-    times there drift 2-3x between phases of the window, which a timed switch reads as a change
-    of mode, and two agreeing probes make it slower to leave a wrong one. To stop drafting, passes
-    without drafts must also be cheaper by `margin` (10%; going back to drafting takes any gain, so
-    a bad start does not lock drafting out). With lookup drafts at batch 1 and 2 threads, noisy
-    probes had sent about 6% of the passes without drafts: 0.654x fairseq greedy's time against
-    0.607x drafting every pass; with the margin 0.598x against 0.595x, and with 1 thread 0.601x
-    against 0.610x (bench harness, 150 sentences, 3 repeats). Batched lookup drafts measured the
-    same with and without it (one process, 3 repeats, against fairseq greedy on the same batches:
-    sorted batches of 32 0.728x and 0.724x; the window of 480 0.644x both), and the trained drafter
-    made the same passes. An average of each pass's own seconds per token would overcharge drafting:
-    a draft rejected at once yields 1 token and an accepted one 5 for about the same time, and the
-    mean of 1/tokens exceeds 1/(mean tokens). Each pass ends in a host copy of its results, so the
-    host clock sees the device's work too (no extra sync).
+    drafts, uses the mode with fewer seconds per token, and re-measures the other one now and then
+    (one pass, its time weighed at 0.5): after `first_probe` passes, doubling the wait (up to
+    `max_probe`) each time it loses again.
+
+    Seconds per token is the ratio of the two averages, not an average of each pass's own ratio: a
+    draft rejected at once yields 1 token and an accepted one up to k+1 for about the same time, and
+    the mean of 1/tokens would overcharge drafting. Tokens per pass vary more than seconds, so they
+    are averaged more slowly (`token_alpha`), and the mode changes only when `confirm` probes in a
+    row (`first_probe` passes apart) found the other one cheaper: one probe is one noisy pass.
+    Leaving drafting also takes a gain of `margin`; going back to it takes any gain, so a bad start
+    does not lock drafting out.
 
     Time per token depends on how many rows a pass has (a batch's last rows pay a pass's fixed
-    cost alone), so modes are only compared at similar row counts: each band of live rows (1-3,
-    4-15, 16-63, ...) keeps its own averages and decision. Measured on deen-tiny, 480 newstest
-    sentences in sorted batches of 32, times against fairseq greedy's: with one shared average,
-    which compared drafting at a batch's start with no drafts at its tail, lookup drafts took 1.06x
-    and the trained drafter 1.01x (no drafts 0.83-0.87x); with these bands 0.95x and 0.94x (no
-    drafts 0.88x); with a band per power of two, 0.97x and 1.10x (more bands, more probes, and a
-    drafter model's probe rebuilds its cache)."""
+    cost alone), so modes are compared only at similar row counts: each band of live rows (1-3,
+    4-15, 16-63, ...) keeps its own averages and decision.
+
+    Each pass ends in a host copy of its results, so the host clock sees the device's work too (no
+    extra sync). A probe times only its own pass: where drafting leaves masked slots in the cache
+    that make later passes dearer (batches with refill), the switch may not find the cheaper mode.
+    The measurements behind these rules are in docs/benchmarks.md."""
 
     def __init__(self, first_probe: int = 8, max_probe: int = 256, alpha: float = 0.2, token_alpha: float = 0.1,
                  confirm: int = 2, margin: float = 0.1):

@@ -6,9 +6,9 @@ MultiheadAttention.forward, which hands its inputs to torch's general
 chunking on every call). `encode` calls the products that path ends in, with the same inputs in
 the same time-major layout: q/k/v projections, `scaled_dot_product_attention` with the key padding
 as an additive -inf mask [B, H, 1, S], the output projection, residuals, layer norms and the
-feed-forward block. Its output equals fairseq's bit for bit (tests/test_lean_encoder.py); on
-gec-tiny (CoNLL-14 sources, batch 1, 1 CPU thread) it takes 2.3 ms per sentence against 2.7 ms.
-Encoders with an option it does not implement (`supports_lean_encoder`) keep fairseq's forward.
+feed-forward block. Its output equals fairseq's bit for bit (tests/test_lean_encoder.py), in
+less time per sentence (docs/benchmarks.md). Encoders with an option it does not implement
+(`supports_lean_encoder`) keep fairseq's forward.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ fairseq adapter. In incremental mode, TransformerDecoderLayerBase and MultiheadA
 general-purpose bookkeeping on every call: time-major reshapes and asserts, the key padding mask
 converted to float and concatenated again, and head-averaged cross-attention weights that the
 layer always requests (`need_attn`). For the small blocks of aggressive decoding (1-10 slots per
-row) that is a large share of a pass (CPU, batch 1: GAD 1.29x -> 1.13x fairseq greedy's time,
-IAD 0.19x -> 0.18x; batch 32: within noise).
+row) that is a large share of a pass at small batch sizes (docs/benchmarks.md).
 
 `lean_layers` computes the same inference math from the layer's own modules, batch-major, and
 reads and writes fairseq's cache layout (MultiheadAttention input buffers: `prev_key` and
@@ -15,9 +14,7 @@ per block for all layers. Projections and layer norms are computed with F.linear
 F.layer_norm on the modules' own weights (`linear`, `norm`): Module.__call__ costs a few
 microseconds, and a pass of a small model makes tens of these calls. Layers with an option it does
 not implement (`supports_lean`: among others, projections that are not plain torch modules or
-carry hooks, as quant-noise's do) keep fairseq's own forward. Tried and dropped: one fused q/k/v
-product, and a self-attention cache grown in place instead of concatenated: no measurable gain
-on CPU, where these small products are bound by reading the weights.
+carry hooks, as quant-noise's do) keep fairseq's own forward.
 """
 
 from __future__ import annotations
