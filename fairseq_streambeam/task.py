@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationTask
@@ -23,18 +22,17 @@ from .generators.stream_beam import STREAMING, StreamBeamGenerator
 from .models.block_drafter import load_drafter
 from .options import (
     StreamBeamConfig,
-    UsageError,
-    finalize_rule,
+    check_at_parse_time,
+    check_generation_options,
+    check_options,
     install_usage_error_hook,
     unsupported_generation_options,
 )
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
 from .scorers.masks import TokenMaskScorer, load_masks
-from .search.finalize import FINISH_COUNT_NEEDS_STICKY, finished_per_source
 
 logger = logging.getLogger("fairseq_streambeam")
-install_usage_error_hook()  # option errors print one line under fairseq-generate & co., not a traceback
 
 # --draft-min-reach when not given. Measured on CPU (deen-tiny + a 30-minute drafter, newstest2017): gad
 # 2.06x -> 1.41x greedy's time at batch 1, 4.53x -> 2.52x at batch 32; iad's drafts are usually right and
@@ -46,11 +44,17 @@ AUTO_MIN_REACH = {"gad": 0.25, "iad": 0.0}
 class StreamBeamTranslationTask(TranslationTask):
     cfg: StreamBeamConfig
 
+    @classmethod
+    def add_args(cls, parser):
+        """fairseq's options of the dataclass, checked as soon as a command line is parsed; an
+        option error found later (e.g. by build_generator) also prints as one line there."""
+        super().add_args(parser)
+        check_at_parse_time(parser)
+        install_usage_error_hook()
+
     def __init__(self, cfg: StreamBeamConfig, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
-        if cfg.stream_window < 1:
-            raise UsageError(f"--stream-window must be >= 1, got {cfg.stream_window}")
-        _check_finish_count(cfg)  # before fairseq loads the model; --nbest and --beam come later
+        check_options(cfg)  # before a model loads; the generation options come with build_generator
         self.budget: Budget | None = None
         self._drafters: dict = {}  # (path, device, dtype) -> block_drafter; ("lookup", path, order) -> NgramTable
 
@@ -74,26 +78,19 @@ class StreamBeamTranslationTask(TranslationTask):
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
-        _check_finish_count(self.cfg)
+        check_options(self.cfg)  # again: a Python caller (the bench) may have changed cfg since __init__
+        check_generation_options(self.cfg, args)
         if str(self.cfg.decoding) == "fairseq":
-            if self.cfg.lmbr_posteriors or self.cfg.token_masks:
-                raise UsageError("--lmbr-posteriors and --token-masks need one of this plugin's decodings, "
-                                 "not --decoding fairseq")
             return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                            extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
         bad = unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
-        if bad:
-            raise UsageError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
+        if bad:  # what a Python caller passes beside the options (an LM model, a prefix function)
+            raise ValueError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
                              "use --decoding fairseq for those")
         if str(self.cfg.decoding) in ("iad", "gad"):
             return self._aggressive_generator(models, args)
-        decoding, beam, nbest = str(self.cfg.decoding), getattr(args, "beam", 5), getattr(args, "nbest", 1)
-        try:  # the generator checks this too; here it is an option error of the command line
-            finished_per_source(finalize_rule(decoding, self.cfg.finalize), 1 if decoding == "greedy" else beam,
-                                self.cfg.finish_count, nbest)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        beam, nbest = getattr(args, "beam", 5), getattr(args, "nbest", 1)
         gen = StreamBeamGenerator(
             models, self.target_dictionary,
             beam_size=beam,
@@ -115,24 +112,14 @@ class StreamBeamTranslationTask(TranslationTask):
         return gen
 
     def _aggressive_generator(self, models, args):
-        c, name = self.cfg, str(self.cfg.decoding)
-        if c.lmbr_posteriors or c.token_masks:
-            raise UsageError(f"--lmbr-posteriors and --token-masks apply to the beam decodings, not --decoding {name}")
-        if getattr(args, "nbest", 1) > 1:
-            raise UsageError(f"--decoding {name} is greedy: it returns one hypothesis (--nbest 1)")
+        c, name = self.cfg, str(self.cfg.decoding)  # options checked by check_options
         if name == "gad":
-            if bool(c.drafter) == bool(c.draft_lookup):
-                raise UsageError("--decoding gad needs either --drafter PATH (a block_drafter checkpoint; see "
-                                 "scripts/train_drafter.sh) or --draft-lookup TEXT (an n-gram table), not both")
             if c.drafter:
                 drafter = ModelDrafter(self._drafter_model(c.drafter, models[0]), self.target_dictionary,
                                        c.block_size)
             else:
                 drafter = self._lookup_drafter(c.draft_lookup, c.draft_lookup_order, c.block_size)
         else:
-            if c.drafter or c.draft_lookup or c.gad_beta != 1 or c.gad_tau != math.inf or c.no_draft_switch:
-                raise UsageError("--drafter, --draft-lookup, --gad-beta, --gad-tau and --no-draft-switch apply to "
-                                 "--decoding gad")
             drafter = InputCopyDrafter(c.iad_ngram, c.block_size)
         gen = AggressiveGenerator(
             models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
@@ -178,19 +165,6 @@ class StreamBeamTranslationTask(TranslationTask):
             generator.scheduler.budget = self.budget  # live budget = this run's --batch-size/--max-tokens
         return super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens,
                                       constraints=constraints)
-
-
-def _check_finish_count(cfg: StreamBeamConfig) -> None:
-    """--finish-count needs a decoding with the sticky rule and must be >= 1 (its upper bound, the
-    beam size, is a generation option that fairseq hands over only with build_generator)."""
-    z = cfg.finish_count
-    if z is None:
-        return
-    decoding = str(cfg.decoding)
-    if decoding in ("iad", "gad", "fairseq") or finalize_rule(decoding, cfg.finalize) != "sticky":
-        raise UsageError(FINISH_COUNT_NEEDS_STICKY)
-    if z < 1:
-        raise UsageError(f"--finish-count must be >= 1, got {z}")
 
 
 def _fairseq_generation_kwargs(args) -> dict:

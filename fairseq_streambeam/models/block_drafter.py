@@ -20,6 +20,7 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 from torch import Tensor
 
+from ..options import UsageError
 from ..runtime.block_step import forward_block
 
 logger = logging.getLogger("fairseq_streambeam")
@@ -73,17 +74,21 @@ def load_drafter(path: str, task, like: Optional[torch.nn.Module] = None) -> Blo
     from fairseq import checkpoint_utils
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    state = checkpoint_utils.load_checkpoint_to_cpu(path)
-    margs = state["cfg"]["model"]
+    try:
+        state = checkpoint_utils.load_checkpoint_to_cpu(path)
+        margs = state["cfg"]["model"]
+    except Exception as e:  # a torch file that is no fairseq checkpoint, or one torch cannot read
+        raise UsageError(f"--drafter {path} is not a readable fairseq checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from e
     arch = getattr(margs, "arch", None) or getattr(margs, "_name", None)
     if ARCH_MODEL_REGISTRY.get(arch) is not BlockDrafterModel:
-        raise ValueError(f"--drafter {path} is a {arch!r} model, not a block_drafter "
+        raise UsageError(f"--drafter {path} is a {arch!r} model, not a block_drafter "
                          "(train one with scripts/train_drafter.sh)")
     d = task.target_dictionary
     rows = state["model"]["decoder.embed_tokens.weight"].shape[0]
     sha = getattr(margs, "target_dict_sha", None)
     if rows != len(d) or (sha is not None and sha != dictionary_sha(d)):
-        raise ValueError(f"--drafter {path} was trained with a different target dictionary ({rows} types) than "
+        raise UsageError(f"--drafter {path} was trained with a different target dictionary ({rows} types) than "
                          f"the verifier's ({len(d)} types{', same size, other tokens' if rows == len(d) else ''}); "
                          "drafter and verifier must share the dictionary")
     margs.init_from = None

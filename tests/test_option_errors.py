@@ -1,0 +1,71 @@
+"""Option errors a user can act on: found when fairseq parses the command line, before any model
+loads (the checkpoint path below does not exist, so an error that came later would name it), and
+reported as one line `prog: error: ...` with exit status 2. The Python API raises ValueError."""
+
+from __future__ import annotations
+
+import pytest
+from fairseq import options
+from helpers import REPO
+
+from fairseq_streambeam.options import StreamBeamConfig, UsageError, check_options
+
+PLUGIN = str(REPO / "fairseq_streambeam")
+
+
+def parse(tmp_path, *flags: str):
+    parser = options.get_generation_parser()
+    return options.parse_args_and_arch(parser, input_args=[
+        str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation",
+        "--path", str(tmp_path / "no-such-checkpoint.pt"), *flags])
+
+
+def text_file(tmp_path) -> str:
+    p = tmp_path / "notes.txt"
+    p.write_text("not a checkpoint\n")
+    return str(p)
+
+
+CASES = [
+    (["--decoding", "var-stream", "--prune-abs-threshold", "-1"], "--prune-abs-threshold must be > 0, got -1.0"),
+    (["--decoding", "var-stream", "--prune-max-cands", "-2"], "--prune-max-cands must be >= 0"),
+    (["--decoding", "var-stream", "--refill-eps", "2"], "--refill-eps must be in [0, 1], got 2.0"),
+    (["--decoding", "var-stream", "--stream-window", "0"], "--stream-window must be >= 1"),
+    (["--decoding", "var-stream", "--sampling"], "--decoding var-stream does not support --sampling"),
+    (["--decoding", "var-batch", "--no-repeat-ngram-size", "2"], "does not support --no-repeat-ngram-size"),
+    (["--decoding", "beam", "--prune-abs-threshold", "1"], "apply to var-batch and var-stream, not --decoding beam"),
+    (["--decoding", "beam", "--finish-count", "2"], "--finish-count applies to the sticky rule"),
+    (["--decoding", "var-batch", "--beam", "4", "--nbest", "5"], "--nbest 5 asks for more hypotheses than the 4"),
+    (["--decoding", "gad"], "--decoding gad needs --drafter PATH"),
+    (["--decoding", "gad", "--drafter", "{text}", "--draft-lookup", "{text}"], "not both"),
+    (["--decoding", "gad", "--drafter", "{text}"], "is not a checkpoint"),
+    (["--decoding", "gad", "--drafter", "missing.pt"], "--drafter missing.pt: no such file"),
+    (["--decoding", "gad", "--draft-lookup", "{text}", "--gad-beta", "0"], "--gad-beta must be >= 1, got 0"),
+    (["--decoding", "gad", "--draft-lookup", "{text}", "--nbest", "2"], "is greedy: it returns one hypothesis"),
+    (["--decoding", "iad", "--gad-tau", "1"], "--gad-tau applies to --decoding gad, not --decoding iad"),
+    (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "apply to the beam decodings, not --decoding iad"),
+    (["--decoding", "var-stream", "--token-masks", "missing.jsonl"], "--token-masks missing.jsonl: no such file"),
+    (["--decoding", "var-stream", "--lmbr-p", "0"], "--lmbr-p must be in (0, 1]"),
+]
+
+
+@pytest.mark.parametrize("flags,message", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_option_is_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
+    text = text_file(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        parse(tmp_path, *[f.format(text=text) for f in flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert len(err) == 1 and err[0].startswith(f"{err[0].split(':')[0]}: error: ") and message in err[0], err
+
+
+def test_good_options_parse(tmp_path):
+    args = parse(tmp_path, "--decoding", "var-stream", "--beam", "5", "--nbest", "5", "--prune-abs-threshold", "2")
+    assert args.decoding == "var-stream" and args.prune_abs_threshold == 2.0
+
+
+def test_python_api_raises_value_error():
+    with pytest.raises(ValueError, match="--refill-eps must be in"):
+        check_options(StreamBeamConfig(decoding="var-stream", refill_eps=-0.5))
+    assert issubclass(UsageError, ValueError)
+    check_options(StreamBeamConfig(decoding="var-stream"))  # the defaults pass
