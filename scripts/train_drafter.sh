@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train a GAD block drafter (--arch block_drafter_small) for an AR fairseq model on the CPU:
+# Train a GAD block drafter (--arch block_drafter_small) for an AR fairseq model on the CPU (or a GPU: --device cuda):
 #   1. distil: the AR model's own beam output on the training sources (decode_corpus: sharded,
 #      resumable; NPROC workers through torchrun)
 #   2. segment with the model's sentencepiece model and binarize with the AR model's dictionaries
@@ -12,6 +12,7 @@
 # Options: --model-dir DIR (checkpoint, dictionaries, spm8k.model) --checkpoint NAME --dict-dir DIR
 #   --bpe sentencepiece|none --train PREFIX --valid PREFIX -s L -t L --out DIR --block-size K
 #   --decoder-layers N --minutes M --lines N (first N training lines; 0 = all) --beam B
+#   --device cpu|cuda (fairseq-train's device; default cpu. Distillation uses CUDA when torch sees it)
 #   Anything after `--` goes to fairseq-train (e.g. -- --arch block_drafter --encoder-embed-dim 512).
 # Environment: NPROC (distillation workers, default 2), THREADS (per worker, default 1), PYTHON.
 set -euo pipefail
@@ -19,9 +20,9 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 shared="${STREAMBEAM_SHARED:-$here/../shared}"
 model_dir="$shared/models/deen-tiny"; train="$shared/data/train/de-en/train"; valid="$shared/data/train/de-en/valid"
 s=de; t=en; out=work/drafter; k=8; layers=2; minutes=25; lines=0; beam=5; checkpoint=checkpoint_best.pt
-dict_dir=""; bpe=sentencepiece
+dict_dir=""; bpe=sentencepiece; device=cpu
 python="${PYTHON:-python}"; nproc="${NPROC:-2}"; threads="${THREADS:-1}"
-usage() { sed -n '2,17p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,18p' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-dir) model_dir="$2"; shift 2;;
@@ -38,12 +39,14 @@ while [ $# -gt 0 ]; do
     --minutes) minutes="$2"; shift 2;;
     --lines) lines="$2"; shift 2;;
     --beam) beam="$2"; shift 2;;
+    --device) device="$2"; shift 2;;
     -h|--help) usage 0;;
     --) shift; break;;
     *) echo "unknown option $1" >&2; usage 2;;
   esac
 done
 ar="$model_dir/$checkpoint"; dict_dir="${dict_dir:-$model_dir}"
+case "$device" in cpu) device_args=(--cpu);; cuda) device_args=();; *) echo "--device must be cpu or cuda" >&2; exit 2;; esac
 spm_args=(); seg_args=(--bpe none)
 if [ "$bpe" = sentencepiece ]; then
   spm_args=(--bpe sentencepiece --sentencepiece-model "$model_dir/spm8k.model")
@@ -82,5 +85,5 @@ fairseq-train "$out/bin" --user-dir "$here/fairseq_streambeam" -s "$s" -t "$t" \
   --warmup-updates 200 --max-tokens 4096 --stop-time-hours "$(awk "BEGIN{print $minutes/60}")" --max-epoch 20 \
   --best-checkpoint-metric draft_accepted --maximize-best-checkpoint-metric --validate-interval-updates 250 \
   --save-interval-updates 250 --keep-interval-updates 1 --no-epoch-checkpoints \
-  --save-dir "$out/ckpt" --cpu --seed 1 --log-format simple --log-interval 50 "$@"
+  --save-dir "$out/ckpt" "${device_args[@]}" --seed 1 --log-format simple --log-interval 50 "$@"
 echo "drafter: $out/ckpt/checkpoint_best.pt" >&2
