@@ -1,0 +1,497 @@
+"""Helpers of scripts/gpu_prepare.sh and scripts/gpu_check.sh: what a run on a GPU machine without
+network access carries there and what it brings back.
+
+  python fairseq_streambeam/bench/gpu_check.py slim-wheel WHEEL PREFIX...
+  python fairseq_streambeam/bench/gpu_check.py slim-checkpoint SRC DST [--dtype fp16|fp32]
+  python fairseq_streambeam/bench/gpu_check.py check-wheels DIR
+  python fairseq_streambeam/bench/gpu_check.py spm-encode MODEL IN OUT [--lines N]
+  python fairseq_streambeam/bench/gpu_check.py step-cost --data DIR --path CKPT -s L -t L --out FILE.json
+  python fairseq_streambeam/bench/gpu_check.py has-method NAME
+  python fairseq_streambeam/bench/gpu_check.py summarize WORK OUT [--print]
+
+(or `python -m fairseq_streambeam.bench.gpu_check ...`, which imports fairseq first.)
+
+The GPU machine has no network and no fairseq: wheels travel in .whl/, slimmed so that they and the
+checkpoints fit the 64 MiB that a run carries; `check-wheels` checks, before they travel, that every
+requirement of a carried wheel is carried or already on the GPU image. `summarize` turns the
+stages' outputs into the few files a run brings back: results.json, results.md, gpu_check.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import hashlib
+import io
+import json
+import re
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+# Python packages of the GPU machines' image ('cuda'), as listed for them on 2026-11-17.
+IMAGE_PACKAGES = frozenset("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
+formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
+imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
+lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe
+matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
+networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft
+pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
+python-dateutil pytorch-lightning pyyaml regex requests rich safetensors scikit-build-core scikit-image scikit-learn
+scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels
+sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz
+torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
+typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
+""".split())
+
+# The GPU machines' interpreter, for evaluating requirement markers.
+IMAGE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+                 "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+                 "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
+
+
+def normalize(name: str) -> str:
+    """PEP 503 project name: lower case, runs of -_. as one dash."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_name_version(path: Path) -> tuple:
+    """(normalized name, version) from a wheel's file name."""
+    parts = path.name[:-len(".whl")].split("-")
+    if len(parts) < 5:
+        raise SystemExit(f"{path.name}: not a wheel file name (name-version-python-abi-platform.whl)")
+    return normalize(parts[0]), parts[1]
+
+
+# ---- slim-wheel ---------------------------------------------------------------------------------
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def slim_wheel(path: Path, prefixes: Sequence[str]) -> tuple:
+    """Rewrite wheel `path` in place without the members under `prefixes` (and their RECORD rows).
+    Returns (members dropped, bytes before, bytes after)."""
+    before = path.stat().st_size
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        drop = {i.filename for i in infos if i.filename.startswith(tuple(prefixes))}
+        if not drop:
+            return 0, before, before
+        record = next((i.filename for i in infos if i.filename.endswith(".dist-info/RECORD")), None)
+        tmp = path.with_suffix(".slim")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
+            for info in infos:
+                if info.filename in drop or info.filename == record:
+                    continue
+                out.writestr(info, z.read(info.filename))
+            if record is not None:
+                rows = [r for r in csv.reader(io.StringIO(z.read(record).decode())) if r and r[0] not in drop]
+                buf = io.StringIO()
+                csv.writer(buf, lineterminator="\n").writerows(rows)
+                out.writestr(record, buf.getvalue())
+    tmp.replace(path)
+    return len(drop), before, path.stat().st_size
+
+
+# ---- slim-checkpoint ----------------------------------------------------------------------------
+
+def slim_checkpoint(src: Path, dst: Path, dtype: str = "fp16") -> tuple:
+    """A copy of fairseq checkpoint `src` with the optimizer state dropped and floating-point
+    weights stored as `dtype` (loading casts them back to the model's float32). Tensors that share
+    storage (tied embeddings) stay shared, so they are stored once. Returns (bytes before, after)."""
+    import torch
+
+    state = torch.load(src, map_location="cpu", weights_only=False)
+    state["last_optimizer_state"] = None
+    target = {"fp16": torch.float16, "fp32": torch.float32}[dtype]
+    converted: Dict[tuple, object] = {}
+    model = {}
+    for key, t in state["model"].items():
+        if torch.is_tensor(t) and t.is_floating_point():
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            if ident not in converted:
+                converted[ident] = t.to(target)
+            t = converted[ident]
+        model[key] = t
+    state["model"] = model
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, dst)
+    return src.stat().st_size, dst.stat().st_size
+
+
+# ---- check-wheels -------------------------------------------------------------------------------
+
+def check_wheels(folder: Path, image: frozenset = IMAGE_PACKAGES) -> List[str]:
+    """Problems of the wheels in `folder` as one line each: a package carried twice, or a
+    requirement (for Python 3.12 on Linux, no extras) neither carried in a matching version nor on
+    the GPU image."""
+    from packaging.requirements import Requirement
+
+    wheels = sorted(folder.glob("*.whl"))
+    carried: Dict[str, str] = {}
+    problems = []
+    for w in wheels:
+        name, version = wheel_name_version(w)
+        if name in carried:
+            problems.append(f"{name} carried twice ({carried[name]} and {version}): pip refuses the install")
+        carried[name] = version
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            lines = z.read(meta).decode("utf-8", "replace").splitlines()
+        for line in lines:
+            if not line.startswith("Requires-Dist:"):
+                continue
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is not None and not req.marker.evaluate(IMAGE_MARKERS):
+                continue
+            name = normalize(req.name)
+            if name in carried:
+                if req.specifier and not req.specifier.contains(carried[name], prereleases=True):
+                    problems.append(f"{w.name} needs {req} but {name} {carried[name]} is carried")
+            elif name not in image:
+                problems.append(f"{w.name} needs {req}: neither carried nor on the GPU image")
+    return problems
+
+
+# ---- spm-encode ---------------------------------------------------------------------------------
+
+def spm_encode(model: str, src: Path, dst: Path, lines: int = 0) -> int:
+    """Segment `src` with sentencepiece model `model` (pieces joined by spaces, as fairseq's data-bins
+    of the tiny models); the first `lines` lines only when lines > 0. Returns lines written."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model)
+    n = 0
+    with open(src, encoding="utf-8") as f, open(dst, "w", encoding="utf-8") as out:
+        for line in f:
+            if lines and n >= lines:
+                break
+            out.write(" ".join(sp.encode(line.rstrip("\n"), out_type=str)) + "\n")
+            n += 1
+    return n
+
+
+# ---- step-cost ----------------------------------------------------------------------------------
+
+def step_cost(data: str, path: str, src_lang: str, tgt_lang: str, rows: Sequence[int], prefix: int = 16,
+              steps: int = 20, device: str = "cuda", subset: str = "test") -> List[dict]:
+    """Time of one incremental decoder step (fairseq's EnsembleModel.forward_decoder, as the
+    generators call it) for each number of rows, after `prefix` steps of cache: sources are test-set
+    sentences of about the median length, repeated to fill the rows. Milliseconds per step, the
+    median of `steps` timed steps (each synchronized)."""
+    import torch
+    from fairseq import checkpoint_utils
+    from fairseq.sequence_generator import EnsembleModel
+
+    import fairseq_streambeam  # noqa: F401  (registers the task)
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    cfg = StreamBeamConfig(data=data, source_lang=src_lang, target_lang=tgt_lang, train_subset="train",
+                           dataset_impl=None, required_seq_len_multiple=1)
+    task = StreamBeamTranslationTask.setup_task(cfg)
+    models, _ = checkpoint_utils.load_model_ensemble(path.split(":"), task=task)
+    dev = torch.device(device)
+    for m in models:
+        m.eval().to(dev)
+    model = EnsembleModel(models).eval()
+    task.load_dataset(subset)
+    ds = task.dataset(subset)
+    lengths = sorted(range(len(ds)), key=lambda i: ds.src_sizes[i])
+    middle = lengths[len(lengths) // 2 - 32: len(lengths) // 2 + 32] or lengths
+    eos = task.target_dictionary.eos()
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    out = []
+    with torch.no_grad():
+        for n in rows:
+            picked = [ds.src[middle[i % len(middle)]] for i in range(n)]
+            width = max(len(s) for s in picked)
+            src = torch.full((n, width), task.source_dictionary.pad(), dtype=torch.long)
+            for i, s in enumerate(picked):
+                src[i, width - len(s):] = s  # left padding, as fairseq's collater
+            src = src.to(dev)
+            enc = model.forward_encoder({"src_tokens": src, "src_lengths": src.ne(task.source_dictionary.pad()).sum(1)})
+            states = [{} for _ in models]
+            tokens = torch.full((n, 1), eos, dtype=torch.long, device=dev)
+            times = []
+            for step in range(prefix + steps):
+                sync()
+                t0 = time.perf_counter()
+                lprobs, _ = model.forward_decoder(tokens, enc, states, 1.0)
+                sync()
+                if step >= prefix:
+                    times.append(time.perf_counter() - t0)
+                tokens = torch.cat([tokens, lprobs.argmax(-1, keepdim=True)], 1)
+            times.sort()
+            out.append({"rows": n, "ms_per_step": round(1000 * times[len(times) // 2], 4)})
+            print(f"step cost: {n} rows {out[-1]['ms_per_step']} ms", flush=True)
+    return out
+
+
+def builtin_methods() -> set:
+    """The benchmark's built-in method names, read from bench/variants.py (standard library only)
+    without importing the package, which imports fairseq."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_variants", Path(__file__).with_name("variants.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses looks its module up while building Variant
+    spec.loader.exec_module(module)
+    return set(module.BUILTIN)
+
+
+# ---- summarize ----------------------------------------------------------------------------------
+
+BENCH_COLUMNS = [("method", "method"), ("bleu", "BLEU"), ("seconds_median", "time s"),
+                 ("ratio_to_baseline", "x baseline"), ("sentences_per_second", "sent/s"),
+                 ("decoder_steps", "steps"), ("expansions_per_step", "exp/step"),
+                 ("accepted_per_pass", "acc/pass"), ("peak_mb", "peak MB"), ("identical_to_exact_ref", "identical")]
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _stage_status(work: Path) -> List[dict]:
+    """Rows of WORK/stages.tsv (stage, command label, exit status, seconds) written by gpu_check.sh."""
+    p = work / "stages.tsv"
+    if not p.exists():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) == 4:
+            rows.append({"stage": parts[0], "what": parts[1], "rc": int(parts[2]), "seconds": int(parts[3])})
+    return rows
+
+
+def _tests_summary(work: Path) -> Optional[dict]:
+    """Counts from the tests stage's JUnit XML (pytest --junitxml)."""
+    import xml.etree.ElementTree as ET
+
+    p = work / "tests.xml"
+    if not p.exists():
+        return None
+    try:
+        root = ET.parse(p).getroot()
+    except ET.ParseError:
+        return {"error": "tests.xml unreadable (pytest cut off?)"}
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {**counts, "failed": failed}
+
+
+def summarize(work: Path, out: Path) -> dict:
+    """Gather WORK's outputs (env.json, stages.tsv, tests.xml, bench-*/results.json,
+    step_cost*.json) into OUT/results.json, OUT/results.md and OUT/gpu_check.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"env": _read_json(work / "env.json") or {}, "stages": _stage_status(work),
+                    "tests": _tests_summary(work), "bench": {}, "step_cost": {}}
+    for p in sorted(work.glob("bench-*/results.json")):
+        j = _read_json(p)
+        if j is not None:
+            result["bench"][p.parent.name[len("bench-"):]] = {
+                "sentences": j.get("sentences"), "device": j.get("device"), "path": j.get("path"),
+                "settings": {k: j.get("settings", {}).get(k) for k in ("beam", "batch_size", "repeats", "limit")},
+                "rows": [{k: r.get(k) for k, _ in BENCH_COLUMNS} for r in j.get("rows", [])]}
+    for p in sorted(work.glob("step_cost*.json")):
+        j = _read_json(p)
+        if j is not None:
+            result["step_cost"][p.stem] = j
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.md").write_text(markdown(result))
+    plot(result, out / "gpu_check.png")
+    return result
+
+
+def markdown(result: dict) -> str:
+    env = result.get("env") or {}
+    lines = ["# GPU check", "", " | ".join(f"{k}: {v}" for k, v in env.items()) or "(no environment recorded)", ""]
+    if result.get("stages"):
+        lines += ["| stage | what | exit | seconds |", "|---|---|---|---|"]
+        lines += [f"| {s['stage']} | {s['what']} | {s['rc']} | {s['seconds']} |" for s in result["stages"]]
+        lines.append("")
+    t = result.get("tests")
+    if t:
+        if "error" in t:
+            lines += [f"tests: {t['error']}", ""]
+        else:
+            lines += [f"tests: {t['tests']} run, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped",
+                      *[f"- FAILED {name}" for name in t["failed"]], ""]
+    for name, b in result.get("bench", {}).items():
+        s = b["settings"]
+        lines += [f"## {name}: {b['sentences']} sentences on {b['device']}, beam {s['beam']}, batch {s['batch_size']}, "
+                  f"{s['repeats']} repeat(s)", "",
+                  "| " + " | ".join(t for _, t in BENCH_COLUMNS) + " |", "|" + "---|" * len(BENCH_COLUMNS)]
+        lines += ["| " + " | ".join("" if r.get(k) is None else str(r[k]) for k, _ in BENCH_COLUMNS) + " |"
+                  for r in b["rows"]]
+        lines.append("")
+    for name, curve in result.get("step_cost", {}).items():
+        lines += [f"## {name}: one decoder step (ms) by rows", "",
+                  "| rows | " + " | ".join(str(c["rows"]) for c in curve) + " |", "|---|" + "---|" * len(curve),
+                  "| ms | " + " | ".join(str(c["ms_per_step"]) for c in curve) + " |", ""]
+    return "\n".join(lines) + "\n"
+
+
+def short_table(result: dict) -> str:
+    """A few lines for the end of a run: failed commands, test counts, each bench's speed ratios."""
+    lines = [f"FAILED {s['stage']} {s['what']} (exit {s['rc']})" for s in result.get("stages", []) if s["rc"]]
+    t = result.get("tests")
+    if t and "error" not in t:
+        lines.append(f"tests: {t['tests']} run, {t['failures'] + t['errors']} failed, {t['skipped']} skipped")
+    lines.append(f"{'bench':16s} {'method':16s} {'x base':>7s} {'BLEU':>6s} {'acc/pass':>8s} {'identical':>9s}")
+    for name, b in result.get("bench", {}).items():
+        for r in b["rows"]:
+            cells = [r.get(k) for k in ("ratio_to_baseline", "bleu", "accepted_per_pass", "identical_to_exact_ref")]
+            lines.append(f"{name:16s} {r['method']:16s} " + " ".join(
+                f"{'' if c is None else c!s:>{w}s}" for c, w in zip(cells, (7, 6, 8, 9))))
+    for name, curve in result.get("step_cost", {}).items():
+        lines.append(f"{name}: " + ", ".join(f"{c['rows']} rows {c['ms_per_step']} ms" for c in curve))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Optional[Path]:
+    """Step cost against rows (log-log) and each bench's time ratios to its baseline, in one PNG."""
+    try:
+        import logging
+
+        import matplotlib
+
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq, when imported, logs at DEBUG
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    benches = [(n, b) for n, b in result.get("bench", {}).items() if b["rows"]]
+    panels = (1 if result.get("step_cost") else 0) + len(benches)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6), squeeze=False)
+    axes = list(axes[0])
+    if result.get("step_cost"):
+        ax = axes.pop(0)
+        for name, curve in result["step_cost"].items():
+            ax.plot([c["rows"] for c in curve], [c["ms_per_step"] for c in curve], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows")
+        ax.set_ylabel("ms per decoder step")
+        ax.legend(fontsize=7)
+    for ax, (name, b) in zip(axes, benches):
+        rows = [r for r in b["rows"] if r.get("ratio_to_baseline") is not None]
+        ax.bar([r["method"] for r in rows], [r["ratio_to_baseline"] for r in rows])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("time / baseline")
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check.py",
+                                description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("slim-wheel", help="drop members under the given prefixes from a wheel (in place)")
+    s.add_argument("wheel", type=Path)
+    s.add_argument("prefixes", nargs="+")
+    s = sub.add_parser("slim-checkpoint", help="weights only, fp16 by default")
+    s.add_argument("src", type=Path)
+    s.add_argument("dst", type=Path)
+    s.add_argument("--dtype", choices=["fp16", "fp32"], default="fp16")
+    s = sub.add_parser("check-wheels", help="every requirement of the carried wheels is carried or on the GPU image")
+    s.add_argument("folder", type=Path)
+    s = sub.add_parser("spm-encode", help="segment text with a sentencepiece model")
+    s.add_argument("model")
+    s.add_argument("src", type=Path)
+    s.add_argument("dst", type=Path)
+    s.add_argument("--lines", type=int, default=0)
+    s = sub.add_parser("step-cost", help="time of one decoder step by number of rows")
+    s.add_argument("--data", required=True)
+    s.add_argument("--path", required=True)
+    s.add_argument("-s", "--source-lang", required=True)
+    s.add_argument("-t", "--target-lang", required=True)
+    s.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
+    s.add_argument("--prefix", type=int, default=16)
+    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("has-method", help="exit 0 when the benchmark has this built-in method")
+    s.add_argument("name")
+    s = sub.add_parser("summarize", help="results.json, results.md and gpu_check.png from a work folder")
+    s.add_argument("work", type=Path)
+    s.add_argument("out", type=Path)
+    s.add_argument("--print", action="store_true", help="print a short table of the results")
+    a = p.parse_args(argv)
+
+    if a.cmd == "slim-wheel":
+        if not a.wheel.exists():
+            raise SystemExit(f"slim-wheel: no such wheel {a.wheel}")
+        n, before, after = slim_wheel(a.wheel, a.prefixes)
+        print(f"{a.wheel.name}: dropped {n} members, {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    elif a.cmd == "slim-checkpoint":
+        if not a.src.exists():
+            raise SystemExit(f"slim-checkpoint: no such checkpoint {a.src}")
+        before, after = slim_checkpoint(a.src, a.dst, a.dtype)
+        print(f"{a.dst}: {before / 2**20:.1f} -> {after / 2**20:.1f} MiB ({a.dtype} weights, no optimizer state)")
+    elif a.cmd == "check-wheels":
+        if not any(a.folder.glob("*.whl")):
+            raise SystemExit(f"check-wheels: no wheels in {a.folder}")
+        problems = check_wheels(a.folder)
+        for line in problems:
+            print(f"check-wheels: {line}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"check-wheels: {len(list(a.folder.glob('*.whl')))} wheels; every requirement is carried or on the "
+              "GPU image")
+    elif a.cmd == "spm-encode":
+        if not a.src.exists():
+            raise SystemExit(f"spm-encode: no such file {a.src}")
+        print(f"{a.dst}: {spm_encode(a.model, a.src, a.dst, a.lines)} lines")
+    elif a.cmd == "step-cost":
+        rows = [int(x) for x in a.rows.split(",") if x.strip()]
+        curve = step_cost(a.data, a.path, a.source_lang, a.target_lang, rows, a.prefix, a.steps, a.device)
+        a.out.write_text(json.dumps(curve, indent=1))
+    elif a.cmd == "has-method":
+        return 0 if a.name in builtin_methods() else 1
+    elif a.cmd == "summarize":
+        result = summarize(a.work, a.out)
+        if a.print:
+            print(short_table(result))
+        print(f"wrote {a.out / 'results.json'}, {a.out / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    # run by path (as the scripts do, to summarize without importing fairseq): this folder's modules
+    # must not shadow top-level ones
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    sys.exit(main())

@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# Checks and measurements on a GPU machine, one command per stage (--device cpu --tiny makes a
+# quick dry run anywhere). Installs the wheels that scripts/gpu_prepare.sh put in .whl/
+# when fairseq is missing, records the machine, then runs the stages named by --step:
+#   tests    the CUDA tests (pytest -m cuda tests/test_cuda.py)
+#   bench    deen-tiny at beam 5 and 50 (fairseq, beam, var-batch, var-stream, and continuous / ct2
+#            when they exist), gec-tiny IAD at batch 1 and 32 against fairseq greedy, and the
+#            step cost of deen-tiny by rows
+#   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh) for --drafter-minutes,
+#            then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
+#   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
+#            --big-minutes on the de-en training text, its step cost by rows, and beam 5 with
+#            fairseq, beam, var-batch, var-stream and fixed-stream
+# Each stage logs to OUT/<stage>.log; OUT/results.json, OUT/results.md and OUT/gpu_check.png are
+# rewritten after every command, so a run cut off midway still returns what it measured.
+# Options: --step LIST (tests; several comma-separated) --out DIR ($OUT, else ./gpu-out)
+#   --device cuda|cpu --data DIR (gpu-data, else ../shared) --limit N (test sentences; 500)
+#   --repeats N (2) --drafter-minutes M (4) --drafter-lines N (20000) --big-minutes M (4)
+#   --big-vocab N (dictionary padded to N entries; 42000; 0 keeps the tiny models' 8008)
+#   --deadline S (seconds for the whole run, 570: commands are cut so the summary is written in time)
+#   --tests-k EXPR (pytest -k) --tiny (dry-run sizes: tiny models, 5 sentences, a few updates, beam 5
+#   and batch 1 only)
+# Environment: PYTHON (default python3), WORK (scratch folder; default a new one under /tmp).
+set -uo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$here"
+steps=tests; device=cuda; out="${OUT:-$here/gpu-out}"; data=""; limit=""; repeats=""; tests_k=""; tiny=0
+drafter_minutes=4; drafter_lines=20000; big_minutes=4; big_vocab=42000; deadline=570; valid_lines=500
+beams=(5 50); batches=(1 32)  # bench: deen-tiny beam sizes; gec-tiny IAD and deen-tiny GAD batch sizes
+python="${PYTHON:-python3}"
+die() { echo "gpu_check.sh: $*" >&2; exit 2; }
+usage() { sed -n '2,/^# Environment/p' "$0"; exit "${1:-0}"; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --step|--steps) steps="$2"; shift 2;;
+    --out) out="$2"; shift 2;;
+    --device) device="$2"; shift 2;;
+    --data) data="$2"; shift 2;;
+    --limit) limit="$2"; shift 2;;
+    --repeats) repeats="$2"; shift 2;;
+    --drafter-minutes) drafter_minutes="$2"; shift 2;;
+    --drafter-lines) drafter_lines="$2"; shift 2;;
+    --big-minutes) big_minutes="$2"; shift 2;;
+    --big-vocab) big_vocab="$2"; shift 2;;
+    --deadline) deadline="$2"; shift 2;;
+    --tests-k) tests_k="$2"; shift 2;;
+    --tiny) tiny=1; shift;;
+    -h|--help) usage 0;;
+    *) echo "gpu_check.sh: unknown option $1" >&2; usage 2;;
+  esac
+done
+IFS=, read -r -a stage_list <<< "$steps"
+for s in "${stage_list[@]}"; do
+  case "$s" in tests|bench|drafter|big) ;; *) die "unknown step '$s' (tests, bench, drafter, big)";; esac
+done
+case "$device" in cuda|cpu) ;; *) die "--device must be cuda or cpu";; esac
+for n in "$deadline" "$drafter_minutes" "$drafter_lines" "$big_minutes" "$big_vocab" ${limit:+"$limit"} ${repeats:+"$repeats"}; do
+  [[ "$n" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "expected a number, got '$n'"
+done
+if [ -z "$data" ]; then
+  if [ -d gpu-data/models ]; then data="$here/gpu-data"; else data="${STREAMBEAM_SHARED:-$here/../shared}"; fi
+fi
+data="$(cd "$data" 2>/dev/null && pwd)" || die "no data folder (run scripts/gpu_prepare.sh and carry gpu-data, or --data ../shared)"
+[ -f "$data/models/deen-tiny/checkpoint_best.pt" ] || die "no models/deen-tiny in $data (run scripts/gpu_prepare.sh)"
+if [ "$tiny" = 1 ]; then
+  limit="${limit:-5}"; repeats="${repeats:-1}"; tests_k="${tests_k:-ensemble_and_options or prefix_tokens}"
+  drafter_lines=60; big_vocab=0; valid_lines=20; beams=(5); batches=(1)
+else
+  limit="${limit:-500}"; repeats="${repeats:-2}"
+fi
+mkdir -p "$out" || die "cannot create $out"
+out="$(cd "$out" && pwd)"
+work="${WORK:-$(mktemp -d /tmp/gpu-check.XXXXXX)}"
+mkdir -p "$work"
+: > "$work/stages.tsv"
+export STREAMBEAM_SHARED="$data" PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+# ---- wheels (the GPU machine has no fairseq) and the machine's record ------------------------------
+record_env() {  # WORK/env.json; fails when torch or fairseq does not import
+  "$python" - "$work/env.json" "$device" <<'EOF' > /dev/null 2>&1
+import json, platform, subprocess, sys
+import torch, fairseq
+env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "fairseq": fairseq.__version__, "device": sys.argv[2]}
+if torch.cuda.is_available():
+    env["gpu"] = torch.cuda.get_device_name(0)
+    env["cuda_available"] = True
+try:
+    env["nvidia-smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                        "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+except OSError:
+    pass
+json.dump(env, open(sys.argv[1], "w"))
+EOF
+}
+if ! record_env; then
+  ls .whl/*.whl >/dev/null 2>&1 || die "fairseq is not importable and .whl/ has no wheels (run scripts/gpu_prepare.sh, carry .whl)"
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || die "installing .whl/*.whl failed"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+  record_env || die "fairseq still not importable after installing .whl/"
+fi
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+cat "$work/env.json" && echo
+if [ "$device" = cuda ] && ! grep -q '"cuda_available": true' "$work/env.json"; then
+  die "--device cuda: torch sees no CUDA device"
+fi
+
+# ---- helpers ----------------------------------------------------------------------------------
+helper=("$python" "$here/fairseq_streambeam/bench/gpu_check.py")
+left() { echo $((deadline - SECONDS)); }
+
+summarize() { "${helper[@]}" summarize "$work" "$out" "$@" 2>>"$out/summary.err"; }
+
+# run STAGE LABEL CMD...: CMD's output goes to OUT/STAGE.log, its exit status and seconds to
+# WORK/stages.tsv; it gets the time left less a reserve for the summary (exit 124: cut off).
+run() {
+  local stage=$1 label=$2; shift 2
+  local budget=$(($(left) - 20)) t0=$SECONDS rc
+  if [ "$budget" -lt 10 ]; then
+    printf '%s\t%s\t%s\t%s\n' "$stage" "$label (skipped: out of time)" 124 0 >> "$work/stages.tsv"
+    echo "[$stage] $label: skipped, out of time"
+    return 124
+  fi
+  echo "==== $label: $*" >> "$out/$stage.log"
+  timeout --kill-after=10 "$budget" "$@" >> "$out/$stage.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$stage" "$label" "$rc" $((SECONDS - t0)) >> "$work/stages.tsv"
+  echo "[$stage] $label: exit $rc in $((SECONDS - t0)) s"
+  summarize > /dev/null
+  return "$rc"
+}
+
+bench() {  # bench STAGE NAME ARGS...: one benchmark run into WORK/bench-NAME
+  local stage=$1 name=$2; shift 2
+  run "$stage" "$name" "$python" -m fairseq_streambeam.bench "$@" --device "$device" --repeats "$repeats" \
+    --threads 1 --quiet --no-plots --out "$work/bench-$name"
+}
+
+has_method() { "${helper[@]}" has-method "$1" 2>/dev/null; }
+
+has_ct2() {  # CTranslate2 importable and able to use the device (its wheel needs CUDA 12's cuBLAS)
+  [ "$tiny" = 0 ] || return 1
+  "$python" -c "import sys, ctranslate2; sys.exit(0 if '$device' == 'cpu' or ctranslate2.get_cuda_device_count() > 0 else 1)" \
+    >/dev/null 2>&1
+}
+
+read_text() { if [ -f "$1" ]; then cat "$1"; elif [ -f "$1.gz" ]; then gzip -dc "$1.gz"; else return 1; fi; }
+
+text_slice() {  # text_slice N NAME: WORK/text/NAME.{de,en} = the first N training lines (0: all); valid.* beside
+  local n=$1 name=$2 l src="$data/data/train/de-en"
+  mkdir -p "$work/text"
+  for l in de en; do
+    if [ "$n" -gt 0 ]; then read_text "$src/train.$l" | head -n "$n"; else read_text "$src/train.$l"; fi > "$work/text/$name.$l"
+    read_text "$src/valid.$l" | head -n "$valid_lines" > "$work/text/valid.$l"
+    [ -s "$work/text/valid.$l" ] || head -n 200 "$work/text/$name.$l" > "$work/text/valid.$l"
+  done
+  [ -s "$work/text/$name.de" ] || { echo "no training text under $src" >> "$out/$3.log"; return 1; }
+}
+
+deen="$data/models/deen-tiny"; gec="$data/models/gec-tiny"
+tiny_ar=(--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32 --encoder-ffn-embed-dim 64
+         --decoder-ffn-embed-dim 64 --encoder-attention-heads 2 --decoder-attention-heads 2 --max-update 3)
+
+# ---- stages -----------------------------------------------------------------------------------
+stage_tests() {
+  local k=()
+  [ -n "$tests_k" ] && k=(-k "$tests_k")
+  run tests pytest env STREAMBEAM_TEST_DEVICE="$device" STREAMBEAM_TEST_THREADS=1 \
+    "$python" -m pytest -m cuda tests/test_cuda.py -q -rA -p no:cacheprovider --junitxml="$work/tests.xml" "${k[@]}"
+}
+
+stage_bench() {
+  local methods="fairseq,beam,var-batch,var-stream" m k b
+  for m in continuous; do has_method "$m" && methods+=",$m"; done  # methods that may come later
+  has_ct2 && methods+=",ct2"
+  for k in "${beams[@]}"; do
+    bench bench "deen-k$k" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam "$k" \
+      --methods "$methods" --limit "$limit"
+  done
+  for b in "${batches[@]}"; do
+    bench bench "gec-iad-b$b" --data "$gec/data-bin" --path "$gec/checkpoint_best.pt" -s src -t trg --beam 1 \
+      --batch-size "$b" --methods fairseq-greedy,greedy,iad --baseline fairseq-greedy --exact-ref fairseq-greedy \
+      --limit "$limit"
+  done
+  local rows=1,2,4,8,16,32,64,128,256,512,1024,2048,4096
+  [ "$tiny" = 1 ] && rows=1,2,4
+  run bench step-cost-deen "${helper[@]}" step-cost --data "$deen/data-bin" \
+    --path "$deen/checkpoint_best.pt" -s de -t en --device "$device" --rows "$rows" --out "$work/step_cost_deen.json"
+}
+
+stage_drafter() {
+  text_slice "$drafter_lines" drafter drafter || return 1
+  local dout="$work/drafter" extra=() b
+  [ "$tiny" = 1 ] && extra=(--beam 2 --block-size 3 -- --arch block_drafter "${tiny_ar[@]}" --no-progress-bar)
+  run drafter train-drafter env NPROC=1 THREADS=1 PYTHON="$python" bash scripts/train_drafter.sh --device "$device" \
+    --model-dir "$deen" --train "$work/text/drafter" --valid "$work/text/valid" --lines 0 \
+    --minutes "$drafter_minutes" --out "$dout" "${extra[@]}"
+  local ckpt="$dout/ckpt/checkpoint_best.pt"
+  [ -f "$ckpt" ] || { echo "[drafter] no drafter checkpoint: see drafter.log"; return 1; }
+  for b in "${batches[@]}"; do
+    bench drafter "deen-gad-b$b" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam 1 \
+      --batch-size "$b" --methods fairseq-greedy,greedy,no-draft,gad --drafter "$ckpt" --baseline fairseq-greedy \
+      --exact-ref fairseq-greedy --limit "$limit"
+  done
+}
+
+stage_big() {
+  local lines=0 bb="$work/big-bin" seg="$work/big-seg" l
+  [ "$tiny" = 1 ] && lines=200
+  text_slice "$lines" big big || return 1
+  mkdir -p "$seg" "$bb"
+  for l in de en; do
+    run big "segment-$l" "${helper[@]}" spm-encode "$deen/spm8k.model" \
+      "$work/text/big.$l" "$seg/train.$l" || return 1
+    cp "$deen/dict.$l.txt" "$seg/dict.$l.txt"
+    if [ "$big_vocab" -gt 0 ]; then  # a WMT-sized output layer: symbols that never occur, appended
+      awk -v n="$big_vocab" 'END { for (i = NR + 4; i < n; i++) printf "madeupword%06d 0\n", i }' \
+        "$seg/dict.$l.txt" >> "$seg/dict.$l.txt"
+    fi
+  done
+  run big preprocess fairseq-preprocess --source-lang de --target-lang en --trainpref "$seg/train" \
+    --srcdict "$seg/dict.de.txt" --tgtdict "$seg/dict.en.txt" --destdir "$bb" --workers 8 || return 1
+  cp "$deen"/data-bin/test.de-en.* "$bb/"  # newstest2017 as binarized for deen-tiny: same first 8008 symbols
+  local arch=(--arch transformer_wmt_en_de_big --encoder-ffn-embed-dim 8192 --decoder-ffn-embed-dim 8192
+              --stop-time-hours "$(awk "BEGIN{print $big_minutes/60}")")
+  [ "$tiny" = 1 ] && arch=(--arch transformer "${tiny_ar[@]}")
+  local dev=(--fp16)
+  [ "$device" = cpu ] && dev=(--cpu)
+  run big train fairseq-train "$bb" -s de -t en "${arch[@]}" --share-all-embeddings --optimizer adam \
+    --adam-betas '(0.9,0.98)' --lr 7e-4 --lr-scheduler inverse_sqrt --warmup-updates 400 \
+    --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --dropout 0.2 --max-tokens 8192 \
+    --save-dir "$work/big-ckpt" --no-epoch-checkpoints --disable-validation --no-save-optimizer-state --seed 1 \
+    --log-format simple --log-interval 50 --num-workers 2 "${dev[@]}"
+  local ckpt="$work/big-ckpt/checkpoint_last.pt"
+  [ -f "$ckpt" ] || { echo "[big] no checkpoint: see big.log"; return 1; }
+  local rows=1,2,4,8,16,32,64,128,256,512,1024,2048
+  [ "$tiny" = 1 ] && rows=1,2,4
+  run big step-cost-big "${helper[@]}" step-cost --data "$bb" --path "$ckpt" \
+    -s de -t en --device "$device" --rows "$rows" --out "$work/step_cost_big.json"
+  bench big big-k5 --data "$bb" --path "$ckpt" -s de -t en --beam 5 \
+    --methods fairseq,beam,var-batch,var-stream,fixed-stream --limit "$limit"
+}
+
+# ---- the run ----------------------------------------------------------------------------------
+echo "data: $data | work: $work | out: $out | steps: $steps | limit $limit, repeats $repeats"
+for s in "${stage_list[@]}"; do
+  "stage_$s"
+done
+summarize --print
+[ -s "$out/summary.err" ] || rm -f "$out/summary.err"  # kept only when the summary itself failed
+exit 0
