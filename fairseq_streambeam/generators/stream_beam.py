@@ -1,6 +1,6 @@
 """StreamBeamGenerator: fixed, variable-width (VAR-BATCH) and streaming (VAR-STREAM) beam search.
 
-The loop (see DESIGN.md): the Scheduler admits sources and picks a cohort; the cohort's
+The loop (see docs/design.md): the Scheduler admits sources and picks a cohort; the cohort's
 DecoderCache feeds one incremental decoder step; fairseq's penalties adjust the log-probs;
 `rank_candidates` + the finalization rule + pruning decide what is final and what continues;
 beams and cache follow the back-pointers. Every source evolves independently of the others, so
@@ -253,11 +253,11 @@ class StreamBeamGenerator(SequenceGenerator):
     def _admit(self, srcs: Sources, new: List[int], prefix_tokens: Optional[Tensor], bos: int, device,
                serial: int) -> Cohort:
         """Encode sources `new` (window rows) together and start their beams."""
+        if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
+            new = sorted(new, key=lambda i: -srcs.lengths[i])
         t = self._tick()
         enc = forward_encoder(self.model, srcs.subset_input(new))
         self.counters.model_seconds += self._tock(t)
-        if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
-            new = sorted(new, key=lambda i: -srcs.lengths[i])
         self.counters.encoder_calls += 1
         dtype = torch.float32
         state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
