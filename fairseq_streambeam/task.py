@@ -34,9 +34,8 @@ from .scorers.masks import TokenMaskScorer, load_masks
 
 logger = logging.getLogger("fairseq_streambeam")
 
-# --draft-min-reach when not given. Measured on CPU (deen-tiny + a 30-minute drafter, newstest2017): gad
-# 2.06x -> 1.41x greedy's time at batch 1, 4.53x -> 2.52x at batch 32; iad's drafts are usually right and
-# a lone row pays little per extra slot, so it verifies everything (any cap was slower on CoNLL-14).
+# --draft-min-reach when not given: a drafter's late slots are rarely reached, while iad's copied drafts
+# are usually right (the measurements: docs/benchmarks.md, "Measurements behind the defaults").
 AUTO_MIN_REACH = {"gad": 0.25, "iad": 0.0}
 
 
@@ -131,7 +130,7 @@ class StreamBeamTranslationTask(TranslationTask):
         return gen
 
     def _lookup_drafter(self, path: str, order: int, block_size: int) -> LookupDrafter:
-        """The n-gram table of `path`, built once per task (0.6 s for 68,756 sentences here)."""
+        """The n-gram table of `path`, built once per task (a benchmark builds a generator per repeat)."""
         key = ("lookup", path, order)
         if key not in self._drafters:
             self._drafters[key] = NgramTable.from_file(path, self.target_dictionary, order)

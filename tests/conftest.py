@@ -7,7 +7,7 @@ from helpers import BIN, N_TEST, REPO, run_cli
 
 PLUGIN = str(REPO / "fairseq_streambeam")  # --user-dir, whatever the working directory
 
-# Benchmarks and tests set threads explicitly: oversubscription made fairseq 60x slower here.
+# Benchmarks and tests set threads explicitly: oversubscribed threads can make fairseq many times slower.
 torch.set_num_threads(int(os.environ.get("STREAMBEAM_TEST_THREADS", "2")))
 
 
