@@ -28,7 +28,7 @@ import sys
 import time
 import typing
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
@@ -154,11 +154,12 @@ def worker_identity() -> Tuple[int, int]:
     return 0, 1
 
 
-def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict) -> bool:
-    """Write output.txt and manifest.json if every shard is done; return whether it merged."""
+def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict) -> Optional[dict]:
+    """Write output.txt and manifest.json if every shard is done; return the summed counters
+    (None when shards are still pending)."""
     shard_dir = out_dir / "shards"
     if not all(shard_done(shard_dir, i, r) for i, r in enumerate(ranges)):
-        return False
+        return None
     records = [json.loads((shard_dir / (SHARD.format(i) + ".json")).read_text()) for i in range(len(ranges))]
     text = "".join((shard_dir / (SHARD.format(i) + ".out")).read_text(encoding="utf-8") for i in range(len(ranges)))
     n_lines = ranges[-1][1] if ranges else 0
@@ -176,7 +177,14 @@ def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], optio
     manifest = {"inputs": files, "lines": n_lines, "options": options, "shards": records, "totals": totals,
                 "output": {"path": "output.txt", "checksum": checksum(text)}}
     write_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1))
-    return True
+    return totals
+
+
+def bad_input_summary(bad: Dict[str, float]) -> str:
+    """The bad-input counts in words, e.g. '2 invalid UTF-8 (replaced by U+FFFD), 1 empty'; '' if none."""
+    words = {"invalid_utf8": "invalid UTF-8 (replaced by U+FFFD)", "empty": "empty (decoded from EOS alone)",
+             "too_long": "longer than the model's source positions (truncated)"}
+    return ", ".join(f"{int(bad[k])} {w}" for k, w in words.items() if bad.get(k))
 
 
 # ---- decoding -----------------------------------------------------------------------------------
@@ -289,14 +297,19 @@ def main(argv=None) -> int:
             write_atomic(shard_dir / (SHARD.format(i) + ".json"), json.dumps(record))
             done_lines += b - a
             rate = done_lines / max(time.perf_counter() - t0, 1e-9)
+            note = bad_input_summary(bad)
             print(f"[{rank}] {SHARD.format(i)} done: {done_lines}/{total} lines, {rate:.1f} sentences/s, "
-                  f"ETA {(total - done_lines) / rate:.0f}s", flush=True)
+                  f"ETA {(total - done_lines) / rate:.0f}s" + (f"; bad input lines: {note}" if note else ""),
+                  flush=True)
             _test_crash_hook(i)
     if dist is not None:
         dist.barrier()
     if rank == 0 or dist is None:
-        if merge(out_dir, ranges, files, options):
-            print(f"merged {len(lines)} lines into {out_dir / 'output.txt'}", flush=True)
+        totals = merge(out_dir, ranges, files, options)
+        if totals is not None:
+            note = bad_input_summary({k[4:]: v for k, v in totals.items() if k.startswith("bad_")})
+            print(f"merged {len(lines)} lines into {out_dir / 'output.txt'}; bad input lines: {note or 'none'}",
+                  flush=True)
         elif dist is None:
             print("not merged yet: other shards are still pending (re-run, or wait for the other workers)")
     if dist is not None:

@@ -2,7 +2,7 @@
 about a minute on CPU, then decode its test set with greedy, fixed beam, VAR-BATCH and VAR-STREAM
 side by side and print the benchmark table. Needs no network and no ../shared.
 
-  python -m fairseq_streambeam.demo            # ~1-2 minutes on 2 CPU cores
+  python -m fairseq_streambeam.demo            # a few minutes on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ def main(argv=None):
                            "-s", "src", "-t", "tgt", "--post-process", "none", "--beam", str(args.beam),
                            "--batch-size", "32", "--methods", "fairseq-greedy,fairseq,beam,var-batch,var-stream",
                            "--out", str(root / "bench"), "--quiet", "--no-plots"])
+    if args.workdir:  # otherwise everything was in a temporary directory, removed by now
+        print(f"\ndata, checkpoint and results.json/results.md are in {args.workdir}")
     print("\nThese are toy numbers from a toy model on this machine. Real numbers need real models: "
           "python -m fairseq_streambeam.bench on your checkpoints, or scripts/reproduce_wmt19.sh "
           "--pair de-en on a GPU instance (WMT'19 ensembles, newstest2018).")

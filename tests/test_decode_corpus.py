@@ -31,9 +31,13 @@ def corpus(tiny_run, tmp_path_factory):
     return args, n
 
 
-def _clean_run(corpus, out):
+def _clean_run(corpus, out, capsys=None):
     args, _ = corpus
     assert decode_main([*args, "--output-dir", str(out)]) == 0
+    if capsys is not None:  # the bad-input counts are on screen too, not only in manifest.json
+        said = capsys.readouterr().out
+        assert ("bad input lines: 1 invalid UTF-8 (replaced by U+FFFD), 1 empty (decoded from EOS alone), "
+                "1 longer than the model's source positions (truncated)") in said.splitlines()[-1], said
     return (out / "output.txt").read_text(encoding="utf-8")
 
 
@@ -42,10 +46,10 @@ def reference(corpus, tmp_path_factory):
     return _clean_run(corpus, tmp_path_factory.mktemp("ref"))
 
 
-def test_single_process_merge_and_manifest(corpus, reference, tmp_path):
+def test_single_process_merge_and_manifest(corpus, reference, tmp_path, capsys):
     args, n = corpus
     out = tmp_path / "run"
-    assert _clean_run(corpus, out) == reference
+    assert _clean_run(corpus, out, capsys) == reference
     assert reference.count("\n") == n  # one output line per input line, in order
     man = json.loads((out / "manifest.json").read_text())
     assert man["lines"] == n and len(man["shards"]) == len(shard_ranges(n, 10))

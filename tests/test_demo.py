@@ -12,3 +12,4 @@ def test_demo_runs_offline(tmp_path, capsys):
     by = {r["method"]: r for r in rows}
     assert by["beam"]["identical_to_exact_ref"] == 1.0 and by["fairseq"]["identical_to_exact_ref"] == 1.0
     assert by["var-stream"]["bleu"] == by["var-batch"]["bleu"]
+    assert f"are in {tmp_path}" in out and (tmp_path / "bench" / "results.md").exists()  # kept: --workdir

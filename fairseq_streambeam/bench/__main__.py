@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, help="decode an evenly spaced subset of about this many sentences")
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, help="torch/OMP threads, set explicitly (default 1): oversubscribed "
-                                               "threads made fairseq 60x slower here")
+                                               "threads can make fairseq many times slower")
     p.add_argument("--lmbr-posteriors", help="posteriors by test-set sentence id, for the *+lmbr methods")
     p.add_argument("--lmbr-lambda", type=float)
     p.add_argument("--lmbr-theta0", type=float)
@@ -77,7 +77,7 @@ def parse_args(argv=None):
                    help="where models and batches go (auto: CUDA when torch sees a GPU)")
     p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no list of the files written")
     return p.parse_args(argv)
 
 
@@ -213,8 +213,10 @@ def main(argv=None):
     (out_dir / "results.md").write_text(table + "\n")
     if not args.no_plots:
         for p in write_plots(out_dir, rows, traces):
-            print(f"wrote {p}")
-    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
+            if not args.quiet:
+                print(f"wrote {p}")
+    if not args.quiet:
+        print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
     return rows
 
 
