@@ -108,16 +108,18 @@ class StreamBeamConfig(TranslationConfig):
                                          "bookkeeping time split is exact"})
 
 
-def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn) -> list[str]:
-    """fairseq generation options this generator does not implement (use --decoding fairseq)."""
+def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
+                                   decoding: str = "beam") -> list[str]:
+    """fairseq generation options that `decoding` does not implement (use --decoding fairseq)."""
     bad = []
+    aggressive = str(decoding) in ("iad", "gad")
     checks = [
         ("sampling", lambda v: bool(v), "--sampling"),
         ("diverse_beam_groups", lambda v: v is not None and v > 0, "--diverse-beam-groups"),
         ("diversity_rate", lambda v: v is not None and v > -1, "--diversity-rate"),
         ("match_source_len", lambda v: bool(v), "--match-source-len"),
         ("constraints", lambda v: bool(v), "--constraints"),
-        ("no_repeat_ngram_size", lambda v: v is not None and v > 0, "--no-repeat-ngram-size"),
+        ("no_repeat_ngram_size", lambda v: aggressive and v is not None and v > 0, "--no-repeat-ngram-size"),
         ("print_alignment", lambda v: bool(v), "--print-alignment"),
         ("lm_path", lambda v: v is not None, "--lm-path"),
     ]
@@ -243,7 +245,7 @@ def check_generation_options(cfg, gen) -> None:
     decoding = str(_opt(cfg, "decoding"))
     if decoding == "fairseq":
         return
-    bad = unsupported_generation_options(gen, None, None)
+    bad = unsupported_generation_options(gen, None, None, decoding)
     if bad:
         raise UsageError(f"--decoding {decoding} does not support {', '.join(bad)}; use --decoding fairseq for those")
     nbest, beam = getattr(gen, "nbest", 1) or 1, getattr(gen, "beam", 5) or 5

@@ -83,7 +83,8 @@ class StreamBeamTranslationTask(TranslationTask):
             return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                            extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-        bad = unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+        bad = unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
+                                             str(self.cfg.decoding))
         if bad:  # what a Python caller passes beside the options (an LM model, a prefix function)
             raise ValueError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
                              "use --decoding fairseq for those")
@@ -105,6 +106,7 @@ class StreamBeamTranslationTask(TranslationTask):
             refill_eps=self.cfg.refill_eps,
             max_wait=self.cfg.max_wait_steps,
             profile=self.cfg.stream_profile,
+            no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0) or 0,
             scorers=self._scorers(len(models)),
         )
         _report_at_exit(gen, gen.mode.name)

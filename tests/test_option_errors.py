@@ -32,7 +32,7 @@ CASES = [
     (["--decoding", "var-stream", "--refill-eps", "2"], "--refill-eps must be in [0, 1], got 2.0"),
     (["--decoding", "var-stream", "--stream-window", "0"], "--stream-window must be >= 1"),
     (["--decoding", "var-stream", "--sampling"], "--decoding var-stream does not support --sampling"),
-    (["--decoding", "var-batch", "--no-repeat-ngram-size", "2"], "does not support --no-repeat-ngram-size"),
+    (["--decoding", "iad", "--no-repeat-ngram-size", "2"], "--decoding iad does not support --no-repeat-ngram-size"),
     (["--decoding", "beam", "--prune-abs-threshold", "1"], "apply to var-batch and var-stream, not --decoding beam"),
     (["--decoding", "beam", "--finish-count", "2"], "--finish-count applies to the sticky rule"),
     (["--decoding", "var-batch", "--beam", "4", "--nbest", "5"], "--nbest 5 asks for more hypotheses than the 4"),
@@ -60,8 +60,9 @@ def test_bad_option_is_one_line_before_the_model_loads(tmp_path, capsys, flags, 
 
 
 def test_good_options_parse(tmp_path):
-    args = parse(tmp_path, "--decoding", "var-stream", "--beam", "5", "--nbest", "5", "--prune-abs-threshold", "2")
-    assert args.decoding == "var-stream" and args.prune_abs_threshold == 2.0
+    args = parse(tmp_path, "--decoding", "var-stream", "--beam", "5", "--nbest", "5", "--prune-abs-threshold", "2",
+                 "--no-repeat-ngram-size", "3")
+    assert args.decoding == "var-stream" and args.prune_abs_threshold == 2.0 and args.no_repeat_ngram_size == 3
 
 
 def test_python_api_raises_value_error():

@@ -147,6 +147,7 @@ class StreamBeamGenerator(SequenceGenerator):
         unk_penalty: float = 0.0,
         temperature: float = 1.0,
         tokens_to_suppress=(),
+        no_repeat_ngram_size: int = 0,
         eos: Optional[int] = None,
         symbols_to_strip_from_output=None,
         decoding: str = "beam",
@@ -179,7 +180,7 @@ class StreamBeamGenerator(SequenceGenerator):
         self.width = float(self.pruning.beam_size) / 2  # candidates per live source, refined as it runs
         self.penalties = FairseqPenalties(
             pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty, min_len=min_len,
-            suppress=self.token_indices_to_suppress,
+            suppress=self.token_indices_to_suppress, no_repeat_ngram=no_repeat_ngram_size,
         )
         self.mergeable = transformer_decoders(self.model)  # cohorts of equal length share one cache
         self.keep_encoder_out = not self.mergeable if keep_encoder_out is None else keep_encoder_out
@@ -303,7 +304,7 @@ class StreamBeamGenerator(SequenceGenerator):
         prefix = None
         if c.prefix is not None and L < c.prefix.size(1):
             prefix = c.prefix[:, L].index_select(0, row_src)
-        lprobs = self.penalties(lprobs, L, at_max, prefix)
+        lprobs = self.penalties(lprobs, L, at_max, prefix, tokens_in)
         if self.scorer is not None:
             lprobs = self.scorer.score(lprobs, b.state if all_live else b.state.index_select(0, live_idx))
 

@@ -1,8 +1,9 @@
 """fairseq's own per-step log-prob adjustments, applied to a cohort's live rows at once.
 
 Same order and values as `SequenceGenerator._generate`: NaN -> -inf, never pad, unk penalty,
-forced EOS at the maximum length, prefix tokens, else minimum length and suppressed tokens. The
-maximum length is per source (see `source_max_len`), so results never depend on batch padding.
+forced EOS at the maximum length, prefix tokens, else minimum length and suppressed tokens, then
+n-gram repeat blocking. The maximum length is per source (see `source_max_len`), so results never
+depend on batch padding.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class FairseqPenalties:
     unk_penalty: float = 0.0
     min_len: int = 1
     suppress: Optional[Tensor] = None  # token ids never generated
+    no_repeat_ngram: int = 0  # --no-repeat-ngram-size n (0 = off)
 
     def __call__(
         self,
@@ -30,10 +32,12 @@ class FairseqPenalties:
         step: int,
         at_max_len: Optional[Tensor],
         prefix: Optional[Tensor],
+        tokens: Optional[Tensor] = None,
     ) -> Tensor:
         """lprobs [N, V] for live rows at decoding step `step` (0-based). `at_max_len` [N] bool
         (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
-        None when past every prefix."""
+        None when past every prefix; `tokens` [N, step + 1] the rows' prefixes (BOS first), read
+        by n-gram repeat blocking only."""
         self.fix_rows(lprobs, at_max_len)
         self.fix_columns(lprobs, step, free=prefix is None)
         if prefix is not None:
@@ -43,6 +47,8 @@ class FairseqPenalties:
             chosen = lprobs.gather(1, prefix.unsqueeze(1))
             masked = torch.full_like(lprobs, -math.inf).scatter_(1, prefix.unsqueeze(1), chosen)
             lprobs = torch.where(forced.unsqueeze(1), masked, lprobs)
+        if self.no_repeat_ngram and tokens is not None:
+            block_repeated_ngrams(lprobs, tokens, self.no_repeat_ngram)
         return lprobs
 
     # fairseq's order is NaN, pad, unk, max length, then prefix or (min length, suppressed). Every
@@ -77,6 +83,24 @@ class FairseqPenalties:
             lprobs.select(1, self.eos).fill_(-math.inf)
         if self.suppress is not None:
             lprobs[:, self.suppress] = -math.inf
+
+
+def block_repeated_ngrams(lprobs: Tensor, tokens: Tensor, n: int) -> None:
+    """fairseq's --no-repeat-ngram-size n, in place: a token that would complete an n-gram already
+    in the row's prefix (BOS included, as fairseq counts it) gets -inf. This is what fairseq's CUDA
+    kernel computes; its CPU fallback compares against padding and blocks nothing (fairseq issue
+    #5206). `tokens` [N, T] are the rows' prefixes; windows are compared with the last n - 1 tokens."""
+    T = tokens.size(1)
+    if T < n:
+        return
+    windows = tokens.unfold(1, n, 1)  # [N, T - n + 1, n]: every n-gram of the prefix
+    if n > 1:
+        match = (windows[:, :, :-1] == tokens[:, T - n + 1:].unsqueeze(1)).all(2)
+    else:  # every token seen is banned, BOS (EOS) included, as in fairseq's kernel
+        match = torch.ones(windows.shape[:2], dtype=torch.bool, device=tokens.device)
+    # a [N, V] count of matches per token instead of indexing with the matches: no host sync
+    hits = torch.zeros_like(lprobs).scatter_add_(1, windows[:, :, -1], match.to(lprobs.dtype))
+    lprobs.masked_fill_(hits > 0, -math.inf)
 
 
 def source_max_len(src_len_with_eos: int, max_len_a: float, max_len_b: int, model_max: int) -> int:

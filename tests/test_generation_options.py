@@ -1,0 +1,118 @@
+"""fairseq generation options in the beam modes, against fairseq's own SequenceGenerator.
+
+--no-repeat-ngram-size: fairseq's CUDA kernel blocks a token that would complete an n-gram already
+in the prefix; its CPU fallback compares against padding and blocks nothing (fairseq issue #5206).
+The reference here is fairseq's generator with a plain-Python blocker that computes what the
+kernel computes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fairseq.ngram_repeat_block import NGramRepeatBlock
+from fairseq.sequence_generator import SequenceGenerator
+from helpers import (
+    assert_same_hypos,
+    load_checkpoints,
+    make_dict,
+    make_sample,
+    ours,
+    random_sentences,
+    random_transformer,
+    shared_path,
+)
+
+from fairseq_streambeam import Budget
+from fairseq_streambeam.scorers.penalties import block_repeated_ngrams
+
+D = make_dict(12)  # a small vocabulary, so that outputs repeat n-grams and blocking matters
+
+
+def kernel_bans(prefix: list[int], n: int) -> set[int]:
+    """Tokens fairseq's kernel bans after `prefix` (BOS first): t[i+n-1] wherever t[i:i+n-1] equals
+    the last n-1 tokens, for i = 0 .. len(prefix) - n."""
+    T = len(prefix)
+    tail = prefix[T - n + 1:] if n > 1 else []
+    return {prefix[i + n - 1] for i in range(T - n + 1) if prefix[i:i + n - 1] == tail}
+
+
+class KernelBlocker(torch.nn.Module):
+    """Stands in for fairseq's NGramRepeatBlock with the kernel's rule (fairseq passes the whole
+    token buffer and the step; the prefix is tokens[:, :step + 1])."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, tokens, lprobs, bsz: int, beam_size: int, step: int):
+        for row, prefix in enumerate(tokens[:, : step + 1].tolist()):
+            for t in kernel_bans(prefix, self.n):
+                lprobs[row, t] = -math.inf
+        return lprobs
+
+
+def fairseq_with_blocking(models, d, sample, n, **kw):
+    gen = SequenceGenerator(models, d, no_repeat_ngram_size=n, **kw)
+    gen.repeat_ngram_blocker = KernelBlocker(n)
+    return gen.generate(models, sample)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_block_repeated_ngrams_equals_the_kernel_rule(n):
+    g = torch.Generator().manual_seed(n)
+    tokens = torch.randint(2, 6, (40, 9), generator=g)  # 4 symbols: many repeats
+    lprobs = torch.randn(40, 8, generator=g)
+    got = lprobs.clone()
+    block_repeated_ngrams(got, tokens, n)
+    assert torch.isinf(got).sum() >= 10, "the case should ban tokens"
+    for row, prefix in enumerate(tokens.tolist()):
+        banned = kernel_bans(prefix, n)
+        for t in range(8):
+            assert got[row, t].item() == (-math.inf if t in banned else lprobs[row, t].item())
+
+
+def test_fairseq_cpu_fallback_blocks_nothing():
+    """Why the reference above is not fairseq's CPU blocker as it stands."""
+    tokens = torch.tensor([[2, 5, 6, 5, 1, 1]])  # BOS, 5 6 5, then padding: 5 -> 6 repeats at step 3
+    lprobs = torch.zeros(1, 8)
+    NGramRepeatBlock(2, use_extension=False)(tokens, lprobs, 1, 1, 3)
+    assert not torch.isinf(lprobs).any()
+    assert kernel_bans([2, 5, 6, 5], 2) == {6}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("beam", [1, 4])
+def test_no_repeat_ngram_matches_fairseq(n, beam):
+    m = random_transformer(D, 5, eos_bias=0.0)
+    s = make_sample(D, random_sentences(D, 8, 6, max_len=10))
+    kw = dict(beam_size=beam, max_len_b=14)
+    ref = fairseq_with_blocking([m], D, s, n, **kw)
+    unblocked = SequenceGenerator([m], D, **kw).generate([m], s)
+    assert any(a[0]["tokens"].tolist() != b[0]["tokens"].tolist() for a, b in zip(ref, unblocked)), \
+        "blocking should change some output"
+    assert_same_hypos(ref, ours([m], D, s, no_repeat_ngram_size=n, **kw)[0])
+    got, _ = ours([m], D, s, no_repeat_ngram_size=n, decoding="fixed-stream", budget=Budget(3), **kw)
+    assert_same_hypos(ref, got)
+
+
+def test_no_repeat_ngram_var_stream_equals_var_batch():
+    m = random_transformer(D, 7, eos_bias=0.0).double()
+    s = make_sample(D, random_sentences(D, 9, 8, max_len=10))
+    kw = dict(beam_size=5, max_len_b=14, no_repeat_ngram_size=2)
+    ref, _ = ours([m], D, s, decoding="var-batch", **kw)
+    for n in (1, 4):
+        assert_same_hypos(ref, ours([m], D, s, decoding="var-stream", budget=Budget(n), **kw)[0], atol=1e-5)
+
+
+def test_no_repeat_ngram_deen_tiny_matches_fairseq():
+    models, task = load_checkpoints(shared_path("models", "deen-tiny", "checkpoint_best.pt"),
+                                    data=shared_path("models", "deen-tiny", "data-bin"))
+    task.load_dataset("test")
+    ds = task.dataset("test")
+    s = ds.collater([ds[i] for i in range(12)])
+    d = task.target_dictionary
+    kw = dict(beam_size=5, max_len_b=40)
+    ref = fairseq_with_blocking(models, d, s, 2, **kw)
+    assert_same_hypos(ref, ours(models, d, s, no_repeat_ngram_size=2, **kw)[0])
