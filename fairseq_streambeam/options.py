@@ -40,9 +40,10 @@ class StreamBeamConfig(TranslationConfig):
                                           "the paper's rule, final only when top candidate; auto: sticky "
                                           "for var-*, fairseq otherwise"})
     finish_count: Optional[int] = field(
-        default=None, metadata={"help": "z: finished hypotheses that end a source under the sticky rule (default "
-                                        "--beam k, as Yang et al.'s runs); --nbest prints at most z. An error "
-                                        "with the fairseq rule, which always finishes k"})
+        default=None, metadata={"help": "z: finished hypotheses that end a source under the sticky rule (default: "
+                                        "the beam size k, as in Yang et al.'s runs); --nbest may not exceed it. "
+                                        "Refused with the fairseq rule (beam, greedy, fixed-stream by default), "
+                                        "which always finishes k"})
     refill_eps: float = field(
         default=1 / 6, metadata={"help": "eps: refill when fewer than eps*n sources are live (streaming)"})
     stream_order: ORDER_CHOICES = field(
