@@ -121,7 +121,7 @@ def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_to
         ("match_source_len", lambda v: bool(v), "--match-source-len"),
         ("constraints", lambda v: bool(v), "--constraints"),
         ("no_repeat_ngram_size", lambda v: aggressive and v is not None and v > 0, "--no-repeat-ngram-size"),
-        ("print_alignment", lambda v: bool(v), "--print-alignment"),
+        ("print_alignment", lambda v: aggressive and bool(v), "--print-alignment"),
         ("lm_path", lambda v: v is not None, "--lm-path"),
     ]
     for name, is_set, flag in checks:

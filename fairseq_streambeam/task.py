@@ -107,6 +107,7 @@ class StreamBeamTranslationTask(TranslationTask):
             max_wait=self.cfg.max_wait_steps,
             profile=self.cfg.stream_profile,
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0) or 0,
+            print_alignment=getattr(args, "print_alignment", None) or None,
             scorers=self._scorers(len(models)),
         )
         _report_at_exit(gen, gen.mode.name)

@@ -116,3 +116,75 @@ def test_no_repeat_ngram_deen_tiny_matches_fairseq():
     kw = dict(beam_size=5, max_len_b=40)
     ref = fairseq_with_blocking(models, d, s, 2, **kw)
     assert_same_hypos(ref, ours(models, d, s, no_repeat_ngram_size=2, **kw)[0])
+
+
+def fairseq_with_alignment(models, d, sample, kind, **kw):
+    from fairseq.sequence_generator import SequenceGeneratorWithAlignment
+
+    return SequenceGeneratorWithAlignment(models, d, print_alignment=kind, **kw).generate(models, sample)
+
+
+def assert_same_attention(ref, got):
+    """Same hypotheses, attention matrices in the sample's layout, and alignments."""
+    assert_same_hypos(ref, got)
+    for a, b in zip(ref, got):
+        for x, y in zip(a, b):
+            assert x["attention"].shape == y["attention"].shape
+            assert torch.allclose(x["attention"], y["attention"], atol=1e-5)
+            if x["alignment"] and isinstance(x["alignment"][0], list):  # soft: probabilities printed to 6 places
+                assert len(x["alignment"]) == len(y["alignment"])
+                for p, q in zip(x["alignment"], y["alignment"]):
+                    assert len(p) == len(q) and all(abs(float(u) - float(v)) <= 2e-6 for u, v in zip(p, q))
+            else:
+                assert x["alignment"] == y["alignment"]
+
+
+@pytest.mark.parametrize("kind", ["hard", "soft"])
+@pytest.mark.parametrize("left_pad", [True, False])
+def test_print_alignment_matches_fairseq(kind, left_pad):
+    d = make_dict(40)
+    models = [random_transformer(d, 3), random_transformer(d, 4)]
+    s = make_sample(d, random_sentences(d, 7, 4), left_pad=left_pad)
+    kw = dict(beam_size=4, max_len_b=12)
+    ref = fairseq_with_alignment(models, d, s, kind, **kw)
+    assert any(len(h[0]["alignment"]) > 2 for h in ref)
+    assert_same_attention(ref, ours(models, d, s, print_alignment=kind, **kw)[0])
+    got, _ = ours(models, d, s, print_alignment=kind, decoding="fixed-stream", budget=Budget(2), **kw)
+    assert_same_attention(ref, got)  # streamed: cohorts merged with padded encoder positions
+
+
+def test_print_alignment_var_stream_equals_var_batch():
+    d = make_dict(40)
+    m = random_transformer(d, 9).double()
+    s = make_sample(d, random_sentences(d, 9, 10))
+    kw = dict(beam_size=5, max_len_b=12, print_alignment="hard")
+    ref, _ = ours([m], d, s, decoding="var-batch", **kw)
+    assert all(h["alignment"] for hs in ref for h in hs if len(h["tokens"]) > 1)
+    for n in (1, 3):
+        got, _ = ours([m], d, s, decoding="var-stream", budget=Budget(n), **kw)
+        for a, b in zip(ref, got):
+            assert [h["alignment"] for h in a] == [h["alignment"] for h in b]
+            assert all(torch.allclose(x["attention"], y["attention"], atol=1e-6) for x, y in zip(a, b))
+
+
+def test_print_alignment_cli_matches_fairseq(tiny_run):
+    """fairseq-generate's A- lines, var-stream and beam against --decoding fairseq."""
+    import re
+
+    from helpers import BIN, REPO, run_cli
+
+    data, ckpt = tiny_run
+
+    def generate(*extra):
+        r = run_cli([str(BIN / "fairseq-generate"), str(data), "--user-dir", str(REPO / "fairseq_streambeam"),
+                     "--task", "streambeam_translation", "--path", str(ckpt), "--gen-subset", "test", "--cpu",
+                     "--beam", "4", "--batch-size", "8", "--print-alignment", "hard", *extra])
+        assert r.returncode == 0, r.stderr[-2000:]
+        # A- lines, and H- lines without their scores (float32 batch composition moves the last digits)
+        return sorted(re.sub(r"^(H-\d+)\t[^\t]*", r"\1", x) for x in r.stdout.splitlines()
+                      if re.match(r"^[HA]-\d+\t", x))
+
+    ref = generate("--decoding", "fairseq", "--required-batch-size-multiple", "1")
+    assert sum(x.startswith("A-") for x in ref) > 10
+    assert generate("--decoding", "beam") == ref
+    assert generate("--decoding", "fixed-stream") == ref

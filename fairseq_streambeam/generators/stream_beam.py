@@ -26,6 +26,7 @@ from ..runtime.lean_encoder import forward_encoder
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.base import ScorerStack
 from ..scorers.penalties import FairseqPenalties
+from ..search import attention
 from ..search.beam_state import Beams, rank_candidates
 from ..search.finalize import build_finalize
 from ..search.pruning import Pruning
@@ -97,6 +98,11 @@ class Cohort:
         self.live_h = np.ones(beams.rows, dtype=bool)  # host mirrors of beams.live / row lengths
         self.len_h = np.zeros(beams.rows, dtype=np.int64)
         self.cache_src_h = np.arange(len(ids))  # cohort-local source of each decoder-cache row
+        # --print-alignment only: each candidate's attention history, where each source's tokens sit
+        # in the cohort's encoder positions, and the layout of the sample the sources came in
+        self.attn: Optional[Tensor] = None
+        self.enc_start = np.zeros(len(ids), dtype=np.int64)
+        self.sample_width, self.left_pad = 0, True
 
     @staticmethod
     def merge(a: Cohort, b: Cohort) -> Cohort:
@@ -117,6 +123,8 @@ class Cohort:
         a.live_h = np.concatenate([a.live_h, b.live_h])
         a.len_h = np.concatenate([a.len_h, b.len_h])
         a.cache_src_h = np.concatenate([a.cache_src_h, b.cache_src_h + off])
+        a.attn = None if a.attn is None else attention.cat(a.attn, b.attn)  # type: ignore[arg-type]
+        a.enc_start = np.concatenate([a.enc_start, b.enc_start])
         a.waited = 0
         a.first_serial = min(a.first_serial, b.first_serial)
         return a
@@ -162,6 +170,7 @@ class StreamBeamGenerator(SequenceGenerator):
         max_wait: int = 0,
         keep_encoder_out: Optional[bool] = None,
         profile: bool = False,
+        print_alignment: Optional[str] = None,
         scorers: Sequence = (),
     ):
         super().__init__(
@@ -186,6 +195,9 @@ class StreamBeamGenerator(SequenceGenerator):
         self.keep_encoder_out = not self.mergeable if keep_encoder_out is None else keep_encoder_out
         self.max_source_positions = _max_source_positions(self.model)
         self.profile = profile
+        if print_alignment is not None and any(getattr(m, "full_context_alignment", False) for m in self.model.models):
+            raise ValueError("--print-alignment with a full-context alignment model needs --decoding fairseq")
+        self.print_alignment = None if print_alignment is None else str(print_alignment)  # hard | soft
         # additive / masking terms applied in order before top-k (LMBR, token masks): see scorers/base.py
         self.scorer = ScorerStack(scorers) if scorers else None
         self.counters = Counters()
@@ -245,6 +257,8 @@ class StreamBeamGenerator(SequenceGenerator):
                         break
 
         out = [self._sorted(r) for r in results]
+        if self.print_alignment:
+            attention.add_alignments(out, srcs.net_input["src_tokens"], self.pad, self.eos, self.print_alignment)
         self.counters.sentences += n_src
         self.counters.total_seconds += time.perf_counter() - t0
         return out
@@ -272,6 +286,10 @@ class StreamBeamGenerator(SequenceGenerator):
         cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, serial, device, dtype)
         if srcs.is_whole(new):  # fairseq's own batch: its padded width
             cohort.src_width = srcs.net_input["src_tokens"].size(1)
+        if self.print_alignment:
+            cohort.attn = attention.start(len(new), device)
+            cohort.sample_width, cohort.left_pad = srcs.net_input["src_tokens"].size(1), srcs.left_pad
+            cohort.enc_start = cohort.src_width - src_len if srcs.left_pad else np.zeros_like(src_len)
         return cohort
 
     def _step(self, c: Cohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
@@ -286,8 +304,8 @@ class StreamBeamGenerator(SequenceGenerator):
             live_idx = torch.from_numpy(np.flatnonzero(c.live_h)).to(b.src.device)
             tokens_in, row_src = b.tokens.index_select(0, live_idx), b.src.index_select(0, live_idx)
         t = self._tick()
-        lprobs, _ = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
-                                               self.temperature)
+        lprobs, step_attn = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
+                                                       self.temperature)
         dt = self._tock(t)
         rows = tokens_in.size(0)
         cnt = self.counters
@@ -336,14 +354,28 @@ class StreamBeamGenerator(SequenceGenerator):
         done_h = packed[5 * nr: 5 * nr + n_src].astype(bool)
         improved_h, lost_rank_h = packed[5 * nr + n_src: 5 * nr + 2 * n_src], packed[5 * nr + 2 * n_src:]
 
+        dev = b.src.device
+        cache_row = np.cumsum(c.live_h) - 1  # live (decoder-cache) row of each candidate row
+
+        def child_attn(pos: np.ndarray) -> Optional[Tensor]:
+            """Attention histories of the ranked candidates at flat positions `pos` (alignment only)."""
+            if c.attn is None:
+                return None
+            if step_attn is None:
+                raise ValueError("--print-alignment needs a model whose decoder returns its attention")
+            par, stepped = parent_h[pos], ~carried_h[pos].astype(bool)
+            return attention.extend(c.attn, torch.from_numpy(par).to(dev), step_attn,
+                                    torch.from_numpy(np.where(stepped, cache_row[par], 0)).to(dev),
+                                    torch.from_numpy(stepped).to(dev))
+
         fin_pos = np.flatnonzero(final_h)
         if fin_pos.size:
-            for row, hypo in self._hypotheses(c, ranked, fin_pos, parent_h, carried_h, R, L):
+            for row, hypo in self._hypotheses(c, ranked, fin_pos, parent_h, carried_h, R, L, child_attn(fin_pos)):
                 results[row].append(hypo)
         better = np.flatnonzero(improved_h)
         if better.size:
             pos = better * R + lost_rank_h[better]
-            for row, hypo in self._hypotheses(c, ranked, pos, parent_h, carried_h, R, L):
+            for row, hypo in self._hypotheses(c, ranked, pos, parent_h, carried_h, R, L, child_attn(pos)):
                 c.backoff[row] = hypo
 
         kp = np.flatnonzero(keep_h)
@@ -352,7 +384,7 @@ class StreamBeamGenerator(SequenceGenerator):
         parents = parent_h[kp]
         carried = carried_h[kp].astype(bool)
         new_live = ~carried & ~eos_h[kp].astype(bool)
-        dev = b.src.device
+        c.attn = child_attn(kp)
         kp_t = torch.from_numpy(kp).to(dev)
         par_t = torch.from_numpy(parents).to(dev)
         tok = ranked.token.view(-1).index_select(0, kp_t)
@@ -365,7 +397,6 @@ class StreamBeamGenerator(SequenceGenerator):
             state=None if self.scorer is None else self.scorer.advance(b.state.index_select(0, par_t), tok),
         )
         c.len_h = np.where(carried, c.len_h[parents], L + 1)
-        cache_row = np.cumsum(c.live_h) - 1
         row_src_old = (kp // R)[new_live]  # source of each new cache row, old numbering
         moved = not np.array_equal(row_src_old, c.cache_src_h)
         c.cache.reorder(torch.from_numpy(cache_row[parents[new_live]]).to(dev), sources_moved=moved)
@@ -385,6 +416,7 @@ class StreamBeamGenerator(SequenceGenerator):
             c.ids = [c.ids[j] for j in keep_src]
             c.max_len = [c.max_len[j] for j in keep_src]
             c.src_len = c.src_len[keep_src]
+            c.enc_start = c.enc_start[keep_src]
             c.max_len_t = c.max_len_t.index_select(0, ks)
             n_final = n_final.index_select(0, ks)
             best_final = best_final.index_select(0, ks)
@@ -398,9 +430,10 @@ class StreamBeamGenerator(SequenceGenerator):
         return done_ids
 
     def _hypotheses(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
-                    carried_h: np.ndarray, R: int, L: int):
+                    carried_h: np.ndarray, R: int, L: int, attn: Optional[Tensor] = None):
         """fairseq hypothesis dicts (tokens end with EOS) of ranked candidates at flat positions
-        `fin_pos`, as (window row, hypothesis) pairs."""
+        `fin_pos`, as (window row, hypothesis) pairs; `attn` [F, L + 1, S] their attention
+        histories (--print-alignment), returned in the sample's layout."""
         b = c.beams
         dev = b.src.device
         idx = torch.from_numpy(fin_pos).to(dev)
@@ -419,9 +452,11 @@ class StreamBeamGenerator(SequenceGenerator):
         else:
             score = raw
         for j, p in enumerate(fin_pos):
-            n = int(lens[j])
-            yield c.ids[p // R], {
-                "tokens": toks[j, :n], "score": score[j], "attention": torch.empty(0),
+            n, src = int(lens[j]), p // R
+            yield c.ids[src], {
+                "tokens": toks[j, :n], "score": score[j],
+                "attention": torch.empty(0) if attn is None else attention.in_sample_layout(
+                    attn[j, :n], int(c.enc_start[src]), int(c.src_len[src]), c.sample_width, c.left_pad),
                 "alignment": torch.empty(0), "positional_scores": pos[j, :n],
             }
 
