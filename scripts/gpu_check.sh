@@ -14,8 +14,9 @@
 # Each stage logs to OUT/<stage>.log; OUT/results.json, OUT/results.md and OUT/gpu_check.png are
 # rewritten after every command, so a run cut off midway still returns what it measured.
 # Options: --step LIST (tests; several comma-separated) --out DIR ($OUT, else ./gpu-out)
-#   --device cuda|cpu --data DIR (gpu-data, else ../shared) --limit N (test sentences; 500)
-#   --repeats N (2) --drafter-minutes M (4) --drafter-lines N (20000) --big-minutes M (4)
+#   --device cuda|cpu --data DIR (gpu-data, else ../shared) --limit N (test sentences; 500; a quarter
+#   of them for batch 1, which decodes one sentence at a time)
+#   --repeats N (2) --drafter-minutes M (3) --drafter-lines N (10000) --big-minutes M (3)
 #   --big-vocab N (dictionary padded to N entries; 42000; 0 keeps the tiny models' 8008)
 #   --deadline S (seconds for the whole run, 570: commands are cut so the summary is written in time)
 #   --tests-k EXPR (pytest -k) --tiny (dry-run sizes: tiny models, 5 sentences, a few updates, beam 5
@@ -25,7 +26,7 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
 steps=tests; device=cuda; out="${OUT:-$here/gpu-out}"; data=""; limit=""; repeats=""; tests_k=""; tiny=0
-drafter_minutes=4; drafter_lines=20000; big_minutes=4; big_vocab=42000; deadline=570; valid_lines=500
+drafter_minutes=3; drafter_lines=10000; big_minutes=3; big_vocab=42000; deadline=570; valid_lines=500
 beams=(5 50); batches=(1 32)  # bench: deen-tiny beam sizes; gec-tiny IAD and deen-tiny GAD batch sizes
 python="${PYTHON:-python3}"
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
@@ -54,8 +55,11 @@ for s in "${stage_list[@]}"; do
   case "$s" in tests|bench|drafter|big) ;; *) die "unknown step '$s' (tests, bench, drafter, big)";; esac
 done
 case "$device" in cuda|cpu) ;; *) die "--device must be cuda or cpu";; esac
-for n in "$deadline" "$drafter_minutes" "$drafter_lines" "$big_minutes" "$big_vocab" ${limit:+"$limit"} ${repeats:+"$repeats"}; do
-  [[ "$n" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "expected a number, got '$n'"
+for n in "$deadline" "$drafter_lines" "$big_vocab" ${limit:+"$limit"} ${repeats:+"$repeats"}; do
+  [[ "$n" =~ ^[0-9]+$ ]] || die "expected a whole number, got '$n'"
+done
+for n in "$drafter_minutes" "$big_minutes"; do
+  [[ "$n" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "expected a number of minutes, got '$n'"
 done
 if [ -z "$data" ]; then
   if [ -d gpu-data/models ]; then data="$here/gpu-data"; else data="${STREAMBEAM_SHARED:-$here/../shared}"; fi
@@ -77,7 +81,7 @@ export STREAMBEAM_SHARED="$data" PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_T
 
 # ---- wheels (the GPU machine has no fairseq) and the machine's record ------------------------------
 record_env() {  # WORK/env.json; fails when torch or fairseq does not import
-  "$python" - "$work/env.json" "$device" <<'EOF' > /dev/null 2>&1
+  "$python" - "$work/env.json" "$device" <<'EOF' > "$work/env.err" 2>&1
 import json, platform, subprocess, sys
 import torch, fairseq
 env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -98,7 +102,7 @@ if ! record_env; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || die "installing .whl/*.whl failed"
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
-  record_env || die "fairseq still not importable after installing .whl/"
+  record_env || die "fairseq still not importable after installing .whl/: $(grep -v '^ ' "$work/env.err" | tail -n 1)"
 fi
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 cat "$work/env.json" && echo
@@ -136,6 +140,8 @@ bench() {  # bench STAGE NAME ARGS...: one benchmark run into WORK/bench-NAME
   run "$stage" "$name" "$python" -m fairseq_streambeam.bench "$@" --device "$device" --repeats "$repeats" \
     --threads 1 --quiet --no-plots --out "$work/bench-$name"
 }
+
+limit_for() { if [ "$1" = 1 ] && [ "$limit" -gt 100 ]; then echo $((limit / 4)); else echo "$limit"; fi; }
 
 has_method() { "${helper[@]}" has-method "$1" 2>/dev/null; }
 
@@ -181,7 +187,7 @@ stage_bench() {
   for b in "${batches[@]}"; do
     bench bench "gec-iad-b$b" --data "$gec/data-bin" --path "$gec/checkpoint_best.pt" -s src -t trg --beam 1 \
       --batch-size "$b" --methods fairseq-greedy,greedy,iad --baseline fairseq-greedy --exact-ref fairseq-greedy \
-      --limit "$limit"
+      --limit "$(limit_for "$b")"
   done
   local rows=1,2,4,8,16,32,64,128,256,512,1024,2048,4096
   [ "$tiny" = 1 ] && rows=1,2,4
@@ -201,7 +207,7 @@ stage_drafter() {
   for b in "${batches[@]}"; do
     bench drafter "deen-gad-b$b" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam 1 \
       --batch-size "$b" --methods fairseq-greedy,greedy,no-draft,gad --drafter "$ckpt" --baseline fairseq-greedy \
-      --exact-ref fairseq-greedy --limit "$limit"
+      --exact-ref fairseq-greedy --limit "$(limit_for "$b")"
   done
 }
 

@@ -58,7 +58,8 @@ def test_dry_run_of_tests_and_bench(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--step", "tests,train"], "unknown step 'train'"),
     (["--device", "gpu"], "--device must be cuda or cpu"),
-    (["--limit", "many"], "expected a number"),
+    (["--limit", "many"], "expected a whole number"),
+    (["--big-minutes", "soon"], "expected a number of minutes"),
     (["--data", "/nonexistent"], "no data folder"),
 ])
 def test_usage_errors_are_one_line(args, message):
