@@ -122,14 +122,15 @@ def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_to
         ("constraints", lambda v: bool(v), "--constraints"),
         ("no_repeat_ngram_size", lambda v: aggressive and v is not None and v > 0, "--no-repeat-ngram-size"),
         ("print_alignment", lambda v: aggressive and bool(v), "--print-alignment"),
-        ("lm_path", lambda v: v is not None, "--lm-path"),
+        ("lm_path", lambda v: aggressive and v is not None, "--lm-path"),
     ]
     for name, is_set, flag in checks:
         if is_set(getattr(args, name, None)):
             bad.append(flag)
     if prefix_allowed_tokens_fn is not None:
         bad.append("prefix_allowed_tokens_fn")
-    if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None and "--lm-path" not in bad:
+    lm = extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None
+    if aggressive and lm and "--lm-path" not in bad:
         bad.append("--lm-path")
     return bad
 

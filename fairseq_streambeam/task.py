@@ -108,6 +108,8 @@ class StreamBeamTranslationTask(TranslationTask):
             profile=self.cfg.stream_profile,
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0) or 0,
             print_alignment=getattr(args, "print_alignment", None) or None,
+            lm_model=(extra_gen_cls_kwargs or {}).get("lm_model"),  # fairseq-generate loads --lm-path
+            lm_weight=(extra_gen_cls_kwargs or {}).get("lm_weight", 1.0),
             scorers=self._scorers(len(models)),
         )
         _report_at_exit(gen, gen.mode.name)

@@ -188,3 +188,59 @@ def test_print_alignment_cli_matches_fairseq(tiny_run):
     assert sum(x.startswith("A-") for x in ref) > 10
     assert generate("--decoding", "beam") == ref
     assert generate("--decoding", "fixed-stream") == ref
+
+
+def random_lm(d, seed: int):
+    """A tiny random-weight fairseq transformer_lm over dictionary `d`."""
+    import argparse
+
+    from fairseq.models.transformer_lm import TransformerLanguageModel, transformer_lm_gpt2_tiny
+
+    torch.manual_seed(seed)
+    args = argparse.Namespace(decoder_layers=1, decoder_embed_dim=32, decoder_ffn_embed_dim=64,
+                              decoder_attention_heads=2, dropout=0.0, tokens_per_sample=256, max_target_positions=256)
+    transformer_lm_gpt2_tiny(args)
+    args.decoder_layers, args.decoder_embed_dim, args.decoder_ffn_embed_dim = 1, 32, 64
+
+    class Task:
+        source_dictionary = target_dictionary = d
+
+    return TransformerLanguageModel.build_model(args, Task()).eval()
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_lm_fusion_matches_fairseq(beam):
+    d = make_dict(40)
+    models, lm = [random_transformer(d, 11)], random_lm(d, 12)
+    s = make_sample(d, random_sentences(d, 7, 13))
+    kw = dict(beam_size=beam, max_len_b=12, lm_model=lm, lm_weight=0.7)
+    ref = SequenceGenerator(models, d, **kw).generate(models, s)
+    plain = SequenceGenerator(models, d, beam_size=beam, max_len_b=12).generate(models, s)
+    assert any(a[0]["tokens"].tolist() != b[0]["tokens"].tolist() for a, b in zip(ref, plain)), "the LM should matter"
+    assert_same_hypos(ref, ours(models, d, s, **kw)[0])
+    assert_same_hypos(ref, ours(models, d, s, decoding="fixed-stream", budget=Budget(2), **kw)[0])
+
+
+def test_lm_fusion_through_the_task_and_var_stream():
+    """fairseq-generate hands --lm-path's model to build_generator as extra_gen_cls_kwargs."""
+    import argparse
+
+    from fairseq.tasks.translation import TranslationConfig
+
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    d = make_dict(40)
+    m, lm = random_transformer(d, 14).double(), random_lm(d, 15).double()
+    s = make_sample(d, random_sentences(d, 8, 16))
+    base = {f: getattr(TranslationConfig(), f) for f in ("train_subset",)}
+    gen_args = argparse.Namespace(beam=5, nbest=1, max_len_b=12)
+    out = {}
+    for decoding in ("var-batch", "var-stream"):
+        task = StreamBeamTranslationTask(StreamBeamConfig(decoding=decoding, **base), d, d)
+        gen = task.build_generator([m], gen_args, extra_gen_cls_kwargs={"lm_model": lm, "lm_weight": 0.5})
+        if decoding == "var-stream":
+            gen.scheduler.budget = Budget(2)
+        out[decoding] = gen.generate([m], s)
+        assert gen.lm_model is lm and gen.lm_weight == 0.5
+    assert_same_hypos(out["var-batch"], out["var-stream"])

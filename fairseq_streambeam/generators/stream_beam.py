@@ -156,6 +156,8 @@ class StreamBeamGenerator(SequenceGenerator):
         temperature: float = 1.0,
         tokens_to_suppress=(),
         no_repeat_ngram_size: int = 0,
+        lm_model=None,
+        lm_weight: float = 1.0,
         eos: Optional[int] = None,
         symbols_to_strip_from_output=None,
         decoding: str = "beam",
@@ -178,7 +180,7 @@ class StreamBeamGenerator(SequenceGenerator):
             max_len=max_len, min_len=min_len, normalize_scores=normalize_scores,
             len_penalty=len_penalty, unk_penalty=unk_penalty, temperature=temperature, eos=eos,
             symbols_to_strip_from_output=symbols_to_strip_from_output,
-            tokens_to_suppress=tokens_to_suppress,
+            tokens_to_suppress=tokens_to_suppress, lm_model=lm_model, lm_weight=lm_weight,
         )
         check_incremental(self.model)
         check_vocabulary(self.model, tgt_dict)
@@ -306,6 +308,9 @@ class StreamBeamGenerator(SequenceGenerator):
         t = self._tick()
         lprobs, step_attn = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
                                                        self.temperature)
+        if self.lm_model is not None:  # shallow fusion as fairseq does it: the LM reads the whole prefix
+            lm_out = self.lm_model(tokens_in)
+            lprobs = lprobs + self.lm_weight * self.lm_model.get_normalized_probs(lm_out, log_probs=True)[:, -1, :]
         dt = self._tock(t)
         rows = tokens_in.size(0)
         cnt = self.counters
