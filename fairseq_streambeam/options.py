@@ -118,7 +118,7 @@ def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_to
         ("sampling", lambda v: bool(v), "--sampling"),
         ("diverse_beam_groups", lambda v: v is not None and v > 0, "--diverse-beam-groups"),
         ("diversity_rate", lambda v: v is not None and v > -1, "--diversity-rate"),
-        ("match_source_len", lambda v: bool(v), "--match-source-len"),
+        ("match_source_len", lambda v: aggressive and bool(v), "--match-source-len"),
         ("constraints", lambda v: bool(v), "--constraints"),
         ("no_repeat_ngram_size", lambda v: aggressive and v is not None and v > 0, "--no-repeat-ngram-size"),
         ("print_alignment", lambda v: aggressive and bool(v), "--print-alignment"),

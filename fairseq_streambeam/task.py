@@ -107,6 +107,7 @@ class StreamBeamTranslationTask(TranslationTask):
             max_wait=self.cfg.max_wait_steps,
             profile=self.cfg.stream_profile,
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0) or 0,
+            match_source_len=bool(getattr(args, "match_source_len", False)),
             print_alignment=getattr(args, "print_alignment", None) or None,
             lm_model=(extra_gen_cls_kwargs or {}).get("lm_model"),  # fairseq-generate loads --lm-path
             lm_weight=(extra_gen_cls_kwargs or {}).get("lm_weight", 1.0),

@@ -244,3 +244,22 @@ def test_lm_fusion_through_the_task_and_var_stream():
         out[decoding] = gen.generate([m], s)
         assert gen.lm_model is lm and gen.lm_weight == 0.5
     assert_same_hypos(out["var-batch"], out["var-stream"])
+
+
+def test_match_source_len_matches_fairseq_per_source():
+    """fairseq caps outputs at the batch's longest source; here each source's own length caps its
+    output, which is fairseq's result for a source decoded alone (and for equal-length batches)."""
+    d = make_dict(40)
+    m = random_transformer(d, 17, eos_bias=-2.0)  # long outputs, so the cap matters
+    sents = random_sentences(d, 6, 18, min_len=2, max_len=9)
+    kw = dict(beam_size=4, max_len_b=30, match_source_len=True)
+    sample = make_sample(d, sents)
+    got, _ = ours([m], d, sample, **kw)
+    streamed, _ = ours([m], d, sample, decoding="fixed-stream", budget=Budget(2), **kw)
+    assert_same_hypos(got, streamed)
+    rows = [sents[i] for i in sample["id"].tolist()]  # the collater sorts sources by length
+    for hypos, sent in zip(got, rows):
+        ref = SequenceGenerator([m], d, **kw).generate([m], make_sample(d, [sent]))
+        assert_same_hypos(ref, [hypos])
+        assert all(len(h["tokens"]) <= len(sent) + 2 for h in hypos)  # source length with EOS, then EOS
+    assert any(len(h[0]["tokens"]) == len(s) + 2 for h, s in zip(got, rows)), "the cap should bind"

@@ -34,6 +34,7 @@ CASES = [
     (["--decoding", "var-stream", "--sampling"], "--decoding var-stream does not support --sampling"),
     (["--decoding", "gad", "--draft-lookup", "{text}", "--print-alignment"], "does not support --print-alignment"),
     (["--decoding", "iad", "--lm-path", "{text}"], "--decoding iad does not support --lm-path"),
+    (["--decoding", "iad", "--match-source-len"], "--decoding iad does not support --match-source-len"),
     (["--decoding", "iad", "--no-repeat-ngram-size", "2"], "--decoding iad does not support --no-repeat-ngram-size"),
     (["--decoding", "beam", "--prune-abs-threshold", "1"], "apply to var-batch and var-stream, not --decoding beam"),
     (["--decoding", "beam", "--finish-count", "2"], "--finish-count applies to the sticky rule"),

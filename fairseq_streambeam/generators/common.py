@@ -24,7 +24,9 @@ class Sources:
 
     @staticmethod
     def from_sample(sample, pad: int, max_len_a: float, max_len_b: int, model_max: int, min_len: int,
-                    max_source_positions: int) -> Sources:
+                    max_source_positions: int, match_source_len: bool = False) -> Sources:
+        """The window's sources. `match_source_len`: each output has at most as many tokens as its
+        source (fairseq's --match-source-len, which takes the batch's longest source instead)."""
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]
         n_src = src_tokens.size(0)
@@ -35,10 +37,14 @@ class Sources:
             if n > max_source_positions:
                 raise ValueError(f"source {sid} has {n} tokens, more than the model's "
                                  f"{max_source_positions} source positions")
-        max_lens = [source_max_len(n, max_len_a, max_len_b, model_max) for n in lengths]
+        if match_source_len:
+            max_lens = list(lengths)  # fairseq reads net_input's src_lengths, EOS included
+        else:
+            max_lens = [source_max_len(n, max_len_a, max_len_b, model_max) for n in lengths]
         if max_lens and min_len > min(max_lens):
-            raise ValueError(f"--min-len {min_len} exceeds the maximum length {min(max_lens)} "
-                             "allowed by --max-len-a/--max-len-b and the model's positions")
+            raise ValueError(f"--min-len {min_len} exceeds the maximum length {min(max_lens)} allowed by "
+                             + ("--match-source-len" if match_source_len else
+                                "--max-len-a/--max-len-b and the model's positions"))
         left_pad = bool(src_tokens[:, 0].eq(pad).any()) if n_src else False
         return Sources(net_input, lengths, max_lens, sentence_ids, left_pad, pad)
 

@@ -156,6 +156,7 @@ class StreamBeamGenerator(SequenceGenerator):
         temperature: float = 1.0,
         tokens_to_suppress=(),
         no_repeat_ngram_size: int = 0,
+        match_source_len: bool = False,
         lm_model=None,
         lm_weight: float = 1.0,
         eos: Optional[int] = None,
@@ -181,6 +182,7 @@ class StreamBeamGenerator(SequenceGenerator):
             len_penalty=len_penalty, unk_penalty=unk_penalty, temperature=temperature, eos=eos,
             symbols_to_strip_from_output=symbols_to_strip_from_output,
             tokens_to_suppress=tokens_to_suppress, lm_model=lm_model, lm_weight=lm_weight,
+            match_source_len=match_source_len,
         )
         check_incremental(self.model)
         check_vocabulary(self.model, tgt_dict)
@@ -212,7 +214,7 @@ class StreamBeamGenerator(SequenceGenerator):
                                       "use --decoding fairseq")
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self.pad, self.max_len_a, self.max_len_b, self.max_len, self.min_len,
-                                   self.max_source_positions)
+                                   self.max_source_positions, self.match_source_len)
         n_src, lengths = len(srcs), srcs.lengths
         device = srcs.net_input["src_tokens"].device
         bos = self.eos if bos_token is None else bos_token
