@@ -185,11 +185,13 @@ def _opt(cfg, name: str):
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(StreamBeamConfig)}
 
 
-def check_options(cfg) -> None:
+def check_options(cfg, files: bool = True) -> None:
     """Every check of the plugin's options that needs no model and no generation option: ranges,
-    options that only apply to some decodings, files that must exist. Raises UsageError naming
-    the option, the value and what is allowed. Run when the task is built and, on a command line,
-    when the arguments are parsed (`check_at_parse_time`), so errors come before a model loads."""
+    options that only apply to some decodings, and (`files`) files that must exist. Raises
+    UsageError naming the option, the value and what is allowed. Run when the task is built,
+    before a model loads, and on a command line also when the arguments are parsed
+    (`check_at_parse_time`, without the files: a parsed command may name a file that an earlier
+    step of a script has yet to write)."""
     o = lambda name: _opt(cfg, name)  # noqa: E731
     decoding, rule = str(o("decoding")), finalize_rule(o("decoding"), o("finalize"))
     beam_modes = decoding not in ("iad", "gad", "fairseq")
@@ -231,6 +233,8 @@ def check_options(cfg) -> None:
                              "scripts/train_drafter.sh) or --draft-lookup TEXT (target-side text for an n-gram table)")
         if o("drafter") and o("draft_lookup"):
             raise UsageError("--decoding gad takes --drafter or --draft-lookup, not both")
+    if not files:
+        return
     for name in ("lmbr_posteriors", "token_masks", "draft_lookup", "drafter"):
         path = o(name)
         if path and not os.path.isfile(path):
@@ -272,7 +276,7 @@ def check_at_parse_time(parser) -> None:
     def parse_and_check(args=None, namespace=None):
         ns, extra = parse(args, namespace)
         try:
-            check_options(ns)
+            check_options(ns, files=False)
             check_generation_options(ns, ns)
         except UsageError as e:  # parser.error would print fairseq's usage: hundreds of lines
             parser.exit(2, f"{parser.prog}: error: {e}\n")

@@ -41,13 +41,10 @@ CASES = [
     (["--decoding", "var-batch", "--beam", "4", "--nbest", "5"], "--nbest 5 asks for more hypotheses than the 4"),
     (["--decoding", "gad"], "--decoding gad needs --drafter PATH"),
     (["--decoding", "gad", "--drafter", "{text}", "--draft-lookup", "{text}"], "not both"),
-    (["--decoding", "gad", "--drafter", "{text}"], "is not a checkpoint"),
-    (["--decoding", "gad", "--drafter", "missing.pt"], "--drafter missing.pt: no such file"),
     (["--decoding", "gad", "--draft-lookup", "{text}", "--gad-beta", "0"], "--gad-beta must be >= 1, got 0"),
     (["--decoding", "gad", "--draft-lookup", "{text}", "--nbest", "2"], "is greedy: it returns one hypothesis"),
     (["--decoding", "iad", "--gad-tau", "1"], "--gad-tau applies to --decoding gad, not --decoding iad"),
     (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "apply to the beam decodings, not --decoding iad"),
-    (["--decoding", "var-stream", "--token-masks", "missing.jsonl"], "--token-masks missing.jsonl: no such file"),
     (["--decoding", "var-stream", "--lmbr-p", "0"], "--lmbr-p must be in (0, 1]"),
 ]
 
@@ -66,6 +63,25 @@ def test_good_options_parse(tmp_path):
     args = parse(tmp_path, "--decoding", "var-stream", "--beam", "5", "--nbest", "5", "--prune-abs-threshold", "2",
                  "--no-repeat-ngram-size", "3")
     assert args.decoding == "var-stream" and args.prune_abs_threshold == 2.0 and args.no_repeat_ngram_size == 3
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(decoding="gad", drafter="{text}"), "is not a checkpoint"),
+    (dict(decoding="gad", drafter="missing.pt"), "--drafter missing.pt: no such file"),
+    (dict(decoding="var-stream", token_masks="missing.jsonl"), "--token-masks missing.jsonl: no such file"),
+])
+def test_files_are_checked_when_the_task_is_built(tmp_path, options, message):
+    """Not when parsing (a script may write the file after parsing a later command), but when fairseq
+    sets the task up, which it does before it loads a model."""
+    from helpers import make_dict
+
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    options = {k: v.format(text=text_file(tmp_path)) for k, v in options.items()}
+    cfg = StreamBeamConfig(**options)
+    check_options(cfg, files=False)  # what the parser checks
+    with pytest.raises(UsageError, match=message):
+        StreamBeamTranslationTask(cfg, make_dict(4), make_dict(4))
 
 
 def test_python_api_raises_value_error():
