@@ -31,8 +31,8 @@ def to_device(x: Any, device) -> Any:
 
 
 def _modules(gen: SequenceGenerator) -> List[torch.nn.Module]:
-    """The modules a generator computes with: its ensemble and any module its drafter holds."""
-    mods = [gen.model]
+    """The modules a generator computes with: its ensemble, a fused LM, and any module its drafter holds."""
+    mods = [gen.model] + ([gen.lm_model] if getattr(gen, "lm_model", None) is not None else [])
     drafter = getattr(gen, "drafter", None)
     mods += [v for v in vars(drafter).values() if isinstance(v, torch.nn.Module)] if drafter is not None else []
     return mods

@@ -53,6 +53,14 @@ from test_gad import (  # noqa: F401
     test_gad_beta1_equals_greedy,
     test_gad_ensemble_equals_greedy,
 )
+from test_generation_options import (  # noqa: F401
+    test_lm_fusion_matches_fairseq,
+    test_match_source_len_matches_fairseq_per_source,
+    test_no_repeat_ngram_matches_fairseq,
+    test_no_repeat_ngram_var_stream_equals_var_batch,
+    test_print_alignment_matches_fairseq,
+    test_print_alignment_var_stream_equals_var_batch,
+)
 from test_lmbr import (  # noqa: F401
     test_decoded_positional_scores_equal_reference,
     test_lmbr_var_stream_equals_var_batch_and_alone,
@@ -64,6 +72,10 @@ from test_masks_backoff import (  # noqa: F401
     test_backoff_stack_answers_sources_that_never_finished,
     test_composed_scorers_stream_equals_batch,
     test_masked_outputs_use_only_allowed_tokens,
+)
+from test_model_types import (  # noqa: F401
+    test_beam_matches_fairseq_for_each_type,
+    test_var_stream_equals_var_batch_for_each_type,
 )
 from test_stream_invariance import (  # noqa: F401
     test_fixed_stream_equals_beam,

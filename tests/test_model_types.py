@@ -114,7 +114,7 @@ BUILDERS = {"tuple-encoder-out": tuple_model, "lstm": lstm_model, "fconv": fconv
 
 @pytest.mark.parametrize("kind", list(BUILDERS))
 @pytest.mark.parametrize("beam", [1, 4])
-def test_beam_matches_fairseq(kind, beam):
+def test_beam_matches_fairseq_for_each_type(kind, beam):
     models = [BUILDERS[kind](0)]
     s = make_sample(D, random_sentences(D, 7, 3, max_len=9))
     kw = dict(beam_size=beam, max_len_b=12)
@@ -125,7 +125,7 @@ def test_beam_matches_fairseq(kind, beam):
 
 
 @pytest.mark.parametrize("kind", list(BUILDERS))
-def test_var_stream_equals_var_batch(kind):
+def test_var_stream_equals_var_batch_for_each_type(kind):
     models = [BUILDERS[kind](1).double()]
     s = make_sample(D, random_sentences(D, 9, 4, max_len=10))
     kw = dict(beam_size=5, max_len_b=12)
