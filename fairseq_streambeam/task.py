@@ -125,7 +125,10 @@ class StreamBeamTranslationTask(TranslationTask):
             else:
                 drafter = self._lookup_drafter(c.draft_lookup, c.draft_lookup_order, c.block_size)
         else:
-            drafter = InputCopyDrafter(c.iad_ngram, c.block_size)
+            src_d, tgt_d = self.source_dictionary, self.target_dictionary
+            # separate dictionaries (e.g. WMT'19 Ru-En): copy each source token as the target token it spells
+            vocab_map = None if src_d.symbols == tgt_d.symbols else [tgt_d.index(w) for w in src_d.symbols]
+            drafter = InputCopyDrafter(c.iad_ngram, c.block_size, vocab_map=vocab_map)
         gen = AggressiveGenerator(
             models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
             budget=self.budget, refill_eps=c.refill_eps, beta=c.gad_beta, tau=c.gad_tau,

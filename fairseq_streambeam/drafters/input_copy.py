@@ -29,7 +29,10 @@ class InputCopyDrafter:
     paper), `AUTO_BATCHED_BLOCK` tokens when rows are batched, where every row pays for the widest
     draft of the pass."""
 
-    def __init__(self, ngram: int = 2, block_size: int = 0, guess_edits: bool = True):
+    def __init__(self, ngram: int = 2, block_size: int = 0, guess_edits: bool = True,
+                 vocab_map: Optional[List[int]] = None):
+        """`vocab_map`: target id of each source id, for a model whose dictionaries differ (drafts
+        are target tokens); None when they are one dictionary."""
         if ngram < 1:
             raise ValueError(f"--iad-ngram must be >= 1, got {ngram}")
         if block_size < 0:
@@ -37,6 +40,7 @@ class InputCopyDrafter:
         self.ngram = ngram
         self.block_size = block_size
         self.guess_edits = guess_edits  # batched rows draft from a guessed realignment (see draft())
+        self.vocab_map = vocab_map
 
     # ---- the group interface (drafters.base.Drafter): one CopyState per row ----
 
@@ -63,7 +67,8 @@ class InputCopyDrafter:
     # ---- one row ----
 
     def start(self, src: List[int]) -> CopyState:
-        return CopyState(list(src), 0)
+        m = self.vocab_map
+        return CopyState(list(src) if m is None else [m[i] for i in src], 0)
 
     def draft(self, st: CopyState, batched: bool = False) -> List[int]:
         """The source from the aligned position. An unaligned row in a batch drafts from its guess
