@@ -17,6 +17,8 @@ INSTALL_REQUIRES = [
 ]
 # plots, and CTranslate2 as a reference decoder in the benchmark
 BENCH = ["matplotlib>=3.8", "ctranslate2>=4.5"]
+# WMT'19 models: Moses tokenization, and requests for fairseq's hub download (file_utils.get_from_cache)
+WMT19 = ["sacremoses>=0.1", "requests>=2.31"]
 
 setup(
     name="fairseq-streambeam",
@@ -29,9 +31,9 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "bench": BENCH,
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", *BENCH],
-        # WMT'19 models: moses tokenization; fastBPE must be built by hand (see README):
+        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", *BENCH, *WMT19],
+        # fastBPE, which the WMT'19 models also need, must be built by hand (see README):
         #   pip install cython setuptools wheel && pip install --no-build-isolation fastBPE==0.1.0
-        "wmt19": ["sacremoses"],
+        "wmt19": WMT19,
     },
 )

@@ -136,6 +136,32 @@ def test_reproduce_script_offline(tiny_run, tmp_path):
     assert all(row["seconds_std"] >= 0 for row in doc["rows"])
 
 
+@pytest.mark.parametrize("pair,model", [("de-en", "deen-tiny"), ("ru-en", "ruen-tiny")])
+def test_reproduce_script_offline_on_real_models(pair, model, tmp_path):
+    """The offline reproduction for both pairs on the small real models and raw newstest2017 text
+    (sentencepiece instead of Moses + fastBPE), a few sentences."""
+    from helpers import shared_path
+
+    root = shared_path("models", model)
+    src, tgt = pair.split("-")
+    data = shared_path("data", "wmt", pair)
+    r = run_cli(["bash", str(REPO / "scripts" / "reproduce_wmt19.sh"), "--pair", pair, "--model-dir", str(root),
+                 "--checkpoints", "checkpoint_best.pt", "--src", str(data / f"newstest2017.{src}"),
+                 "--ref", str(data / f"newstest2017.{tgt}"), "--tokenizer", "none", "--bpe", "sentencepiece",
+                 "--config", str(REPO / "configs" / "paper_k5.json"), "--repeats", "1", "--out", str(tmp_path),
+                 "--", "--sentencepiece-model", str(root / "spm8k.model"), "--limit", "8", "--quiet", "--no-plots"],
+                cwd=str(tmp_path), env_extra={"PYTHON": str(BIN / "python")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    by = {row["method"]: row for row in doc["rows"]}
+    assert list(by) == ["greedy", "beam", "var-batch", "var-stream"] and doc["sentences"] == 8
+    assert by["beam"]["identical_to_exact_ref"] == 1.0
+    assert by["var-stream"]["bleu"] == by["var-batch"]["bleu"]
+    assert by["var-stream"]["expansions"] == by["var-batch"]["expansions"]
+    assert by["var-batch"]["expansions"] < by["beam"]["expansions"]  # pruned beams
+    assert all(row["chrf"] > 20 for row in doc["rows"])  # detokenized English, not pieces or unk
+
+
 def test_corpus_order_batches_consecutive_sentences(tiny_run, tmp_path):
     """--corpus-order: each batch holds consecutive sentences (fairseq sorts by length first); the
     outputs do not depend on the batching."""
