@@ -263,3 +263,15 @@ def test_match_source_len_matches_fairseq_per_source():
         assert_same_hypos(ref, [hypos])
         assert all(len(h["tokens"]) <= len(sent) + 2 for h in hypos)  # source length with EOS, then EOS
     assert any(len(h[0]["tokens"]) == len(s) + 2 for h, s in zip(got, rows)), "the cap should bind"
+
+
+def test_print_alignment_deen_tiny_matches_fairseq():
+    models, task = load_checkpoints(shared_path("models", "deen-tiny", "checkpoint_best.pt"),
+                                    data=shared_path("models", "deen-tiny", "data-bin"))
+    task.load_dataset("test")
+    ds = task.dataset("test")
+    s = ds.collater([ds[i] for i in range(0, 300, 25)])
+    d = task.target_dictionary
+    kw = dict(beam_size=5, max_len_b=40)
+    ref = fairseq_with_alignment(models, d, s, "hard", **kw)
+    assert_same_attention(ref, ours(models, d, s, print_alignment="hard", **kw)[0])
