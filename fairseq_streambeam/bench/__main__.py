@@ -24,7 +24,7 @@ from .variants import BUILTIN, Variant, load_config, parse_methods
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
                 stream_window=32, repeats=1, threads=1, limit=0, finalize="auto", finish_count=None,
                 methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam", drafter=None,
-                draft_lookup=None, corpus_order=False)
+                draft_lookup=None, corpus_order=False, lmbr_lambda=None, lmbr_theta0=None, lmbr_p=0.85, lmbr_r=0.72)
 
 
 def parse_args(argv=None):
@@ -66,10 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="torch/OMP threads, set explicitly (default 1): oversubscribed "
                                                "threads can make fairseq many times slower")
     p.add_argument("--lmbr-posteriors", help="posteriors by test-set sentence id, for the *+lmbr methods")
-    p.add_argument("--lmbr-lambda", type=float)
+    p.add_argument("--lmbr-lambda", type=float, help="LMBR settings (also config keys, e.g. scorers.tune's best.json)")
     p.add_argument("--lmbr-theta0", type=float)
-    p.add_argument("--lmbr-p", type=float, default=0.85)
-    p.add_argument("--lmbr-r", type=float, default=0.72)
+    p.add_argument("--lmbr-p", type=float)
+    p.add_argument("--lmbr-r", type=float)
     p.add_argument("--drafter", help="block_drafter checkpoint for the gad methods (scripts/train_drafter.sh)")
     p.add_argument("--draft-lookup", help="target-side text for the gad-lookup method's n-gram table (see "
                                           "--draft-lookup of fairseq-generate)")
@@ -162,7 +162,7 @@ def main(argv=None):
                     hyps, counters = _run_ct2(ct2, v, settings, ts, task.target_dictionary)
                     bar.update(n)
                 else:
-                    _set_lmbr(task, args, lmbr_file if v.lmbr else None)
+                    _set_lmbr(task, settings, lmbr_file if v.lmbr else None)
                     hyps, counters = _run_fairseq_task(task, models, v, settings, ts, bar, use_cuda, oracle)
                 dt = time.perf_counter() - t0
             bar.close()
@@ -244,12 +244,10 @@ def _subset_posteriors(args, variants, ts, out_dir: Path):
     return str(path)
 
 
-def _set_lmbr(task, args, path) -> None:
+def _set_lmbr(task, settings: dict, path) -> None:
     task.cfg.lmbr_posteriors = path
-    task.cfg.lmbr_lambda = args.lmbr_lambda
-    task.cfg.lmbr_theta0 = args.lmbr_theta0
-    task.cfg.lmbr_p = args.lmbr_p
-    task.cfg.lmbr_r = args.lmbr_r
+    for key in ("lmbr_lambda", "lmbr_theta0", "lmbr_p", "lmbr_r"):
+        setattr(task.cfg, key, settings[key])
 
 
 def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:
