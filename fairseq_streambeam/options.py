@@ -15,7 +15,7 @@ from .search.finalize import FINISH_COUNT_NEEDS_STICKY, finished_per_source
 
 DECODING_CHOICES = ChoiceEnum(["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad", "fairseq"])
 FINALIZE_CHOICES = ChoiceEnum(["auto", "fairseq", "sticky"])
-ORDER_CHOICES = ChoiceEnum(["min-length", "fifo"])
+ORDER_CHOICES = ChoiceEnum(["min-length", "fifo", "continuous"])
 
 
 @dataclass
@@ -48,7 +48,9 @@ class StreamBeamConfig(TranslationConfig):
         default=1 / 6, metadata={"help": "eps: refill when fewer than eps*n sources are live (streaming)"})
     stream_order: ORDER_CHOICES = field(
         default="min-length", metadata={"help": "which cohort steps next when streaming: min-length "
-                                                "(the paper) or fifo (paper A.2)"})
+                                                "(the paper), fifo (paper A.2), or continuous: every live "
+                                                "source steps in one decoder call whatever its prefix length "
+                                                "(fairseq transformer decoders; others use min-length)"})
     stream_candidates: Optional[int] = field(
         default=None, metadata={"help": "streaming: refill by live beam candidates instead of sources: keep "
                                         "about this many candidates per decoder step (--batch-size still caps "

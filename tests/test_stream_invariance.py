@@ -1,5 +1,6 @@
 """Invariant 2: VAR-STREAM == VAR-BATCH == each source decoded alone, whatever the budgets, schedule
-and finish count (float64 models, so batch composition cannot move a float32 rounding)."""
+(min-length, fifo, continuous) and finish count (float64 models, so batch composition cannot move a
+float32 rounding)."""
 
 import pytest
 from helpers import assert_same_hypos, make_dict, make_sample, ours, random_sentences, random_transformer
@@ -45,7 +46,7 @@ def var_reference(request):
     tokens=st.one_of(st.none(), st.integers(8, 60)),
     cands=st.one_of(st.none(), st.integers(3, 90)),
     eps=st.sampled_from([0.0, 1 / 6, 0.5, 1.0]),
-    order=st.sampled_from(["min-length", "fifo"]),
+    order=st.sampled_from(["min-length", "fifo", "continuous"]),
     max_wait=st.sampled_from([0, 2]),
 )
 def test_var_stream_equals_var_batch(var_reference, n, tokens, cands, eps, order, max_wait):
@@ -57,11 +58,12 @@ def test_var_stream_equals_var_batch(var_reference, n, tokens, cands, eps, order
 
 
 @settings(max_examples=10, deadline=None)
-@given(n=st.integers(1, 5), eps=st.sampled_from([0.0, 0.5, 1.0]))
-def test_fixed_stream_equals_beam(n, eps):
+@given(n=st.integers(1, 5), eps=st.sampled_from([0.0, 0.5, 1.0]), order=st.sampled_from(["min-length", "continuous"]))
+def test_fixed_stream_equals_beam(n, eps, order):
     beam = ours(MODELS, D, SAMPLE, decoding="beam", **KW)[0]
-    got = ours(MODELS, D, SAMPLE, decoding="fixed-stream", budget=Budget(n), refill_eps=eps, **KW)[0]
-    assert_same_hypos(beam, got, atol=1e-5)
+    got = ours(MODELS, D, SAMPLE, decoding="fixed-stream", budget=Budget(n), refill_eps=eps, stream_order=order,
+               **KW)[0]
+    assert_same_hypos(beam, got, atol=1e-5, msg=f"n={n} eps={eps} {order}")
 
 
 def test_beam_alone_equals_batched():

@@ -48,6 +48,7 @@ BUILTIN: Dict[str, Variant] = {
     "var-batch": Variant("var-batch", "var-batch"),
     "var-stream": Variant("var-stream", "var-stream"),
     "fifo": Variant("fifo", "var-stream", stream_order="fifo"),
+    "continuous": Variant("continuous", "var-stream", stream_order="continuous"),
     "fixed-stream": Variant("fixed-stream", "fixed-stream"),
     "ct2": Variant("ct2", "ct2"),
     "iad": Variant("iad", "iad", beam=1),

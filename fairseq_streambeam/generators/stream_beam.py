@@ -4,12 +4,15 @@ The loop (see docs/design.md): the Scheduler admits sources and picks a cohort; 
 DecoderCache feeds one incremental decoder step; fairseq's penalties adjust the log-probs;
 `rank_candidates` + the finalization rule + pruning decide what is final and what continues;
 beams and cache follow the back-pointers. Every source evolves independently of the others, so
-the schedule changes speed, never output.
+the schedule changes speed, never output. With the continuous order there is one cohort whose
+sources are at different steps: its rows step through `forward_block` at their own positions,
+over a cache whose rows are padded with masked slots.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -20,10 +23,17 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
-from ..runtime.cache import DecoderCache, check_incremental, check_vocabulary, transformer_decoders
+from ..runtime.block_step import block_decodable, cached_length, compact, forward_block, prime_encoder_keys
+from ..runtime.cache import (
+    DecoderCache,
+    check_incremental,
+    check_vocabulary,
+    encoder_out_stand_in,
+    transformer_decoders,
+)
 from ..runtime.counters import Counters
 from ..runtime.lean_encoder import forward_encoder
-from ..runtime.scheduler import Budget, Scheduler
+from ..runtime.scheduler import RAGGED, Budget, Scheduler
 from ..scorers.base import ScorerStack
 from ..scorers.penalties import FairseqPenalties
 from ..search import attention
@@ -36,6 +46,10 @@ DECODINGS = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream")
 STREAMING = ("var-stream", "fixed-stream")
 PAPER_DELTA = 1.5  # Yang et al. 2020, Table 1 settings
 PAPER_M = 5
+ORDERS = ("min-length", "fifo", "continuous")
+COMPACT_SLACK = 16  # masked self-attention slots a ragged cache may hold beyond twice its longest row
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,8 +81,8 @@ class DecodeMode:
         )
         if finalize == "auto":
             finalize = "sticky" if variable else "fairseq"
-        if stream_order not in ("min-length", "fifo"):
-            raise ValueError(f"--stream-order must be min-length or fifo, got {stream_order!r}")
+        if stream_order not in ORDERS:
+            raise ValueError(f"--stream-order must be one of {ORDERS}, got {stream_order!r}")
         policy = stream_order if decoding in STREAMING else "batch"
         return DecodeMode(decoding, pruning, finalize, policy)
 
@@ -77,7 +91,8 @@ class Cohort:
     """Live sources whose candidates all have `length` decoded tokens, with their beams and cache."""
 
     def __init__(self, ids: List[int], max_len: List[int], src_len: np.ndarray, beams: Beams, cache: DecoderCache,
-                 prefix: Optional[Tensor], serial: int, device: torch.device, dtype: torch.dtype):
+                 prefix: Optional[Tensor], serial: int, device: torch.device, dtype: torch.dtype,
+                 ragged: bool = False):
         self.ids = ids
         self.max_len = max_len
         self.src_len = src_len  # host: source length (with EOS) per source; width = encoder positions
@@ -86,7 +101,13 @@ class Cohort:
         self.beams = beams
         self.cache = cache
         self.prefix = prefix
-        self.length = 0
+        self.length = 0  # tokens decoded by the cohort's furthest source (by every source unless ragged)
+        self.steps_h = np.zeros(len(ids), dtype=np.int64)  # host: tokens decoded per source
+        # ragged (continuous order): sources at different steps share the cohort; beams' tokens and
+        # cum are right-aligned (each row's last token in the last column, padding on the left) and
+        # the decoder steps every row at its own position, steps_t (a device copy of steps_h)
+        self.ragged = ragged
+        self.steps_t = torch.zeros(len(ids), dtype=torch.long, device=device) if ragged else None
         self.waited = 0
         self.first_serial = serial
         self.n_final = torch.zeros(len(ids), dtype=torch.long, device=device)
@@ -105,10 +126,17 @@ class Cohort:
         self.sample_width, self.left_pad = 0, True
 
     @staticmethod
-    def merge(a: Cohort, b: Cohort) -> Cohort:
-        assert a.length == b.length
+    def merge(a: Cohort, b: Cohort, pad: int = 1) -> Cohort:
+        """b's sources appended to a's. Cohorts of different lengths merge only when ragged: the
+        shorter one's tokens are left-padded with `pad` (its cum with 0) to the longer's width."""
+        assert a.length == b.length or (a.ragged and b.ragged)
         off = len(a.ids)  # b's sources follow a's
-        a.beams = Beams.cat([a.beams, b.beams], [0, off])
+        length = max(a.length, b.length)
+        a.beams = Beams.cat([_widen(a.beams, length, pad), _widen(b.beams, length, pad)], [0, off])
+        a.length = length
+        a.steps_h = np.concatenate([a.steps_h, b.steps_h])
+        if a.ragged:
+            a.steps_t = torch.cat([a.steps_t, b.steps_t])  # type: ignore[list-item]
         a.cache = DecoderCache.cat([a.cache, b.cache])
         a.ids = a.ids + b.ids
         a.max_len = a.max_len + b.max_len
@@ -189,7 +217,13 @@ class StreamBeamGenerator(SequenceGenerator):
         self.mode = DecodeMode.resolve(decoding, self.beam_size, delta, max_cands, finalize, stream_order)
         self.pruning = self.mode.pruning
         self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, finish_count, nbest)
-        self.scheduler = Scheduler(self.mode.policy, budget or Budget(), refill_eps, max_wait)
+        policy = self.mode.policy
+        if policy in RAGGED:
+            why = _no_ragged_steps(self.model, lm_model, print_alignment)
+            if why:
+                logger.info("--stream-order %s falls back to min-length: %s", policy, why)
+                policy = "min-length"
+        self.scheduler = Scheduler(policy, budget or Budget(), refill_eps, max_wait)
         self.width = float(self.pruning.beam_size) / 2  # candidates per live source, refined as it runs
         self.penalties = FairseqPenalties(
             pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty, min_len=min_len,
@@ -222,6 +256,9 @@ class StreamBeamGenerator(SequenceGenerator):
         if self.scorer is not None:
             self.scorer.reset()
 
+        # continuous order: one cohort of sources at different steps; prefix tokens are forced per
+        # step of a whole cohort, so a call with them steps cohorts of one length (shortest first)
+        ragged = self.scheduler.policy in RAGGED and prefix_tokens is None
         cohorts: List[Cohort] = []
         # streaming admits sources shortest first, so cohorts (and their merges) pad little;
         # batch modes keep fairseq's batch as it is. Output is per window row either way.
@@ -235,7 +272,7 @@ class StreamBeamGenerator(SequenceGenerator):
             cands = sum(c.beams.rows for c in cohorts)
             if live:  # running estimate of candidates per source, for the candidate budget
                 self.width = 0.9 * self.width + 0.1 * (cands / live)
-            unstepped = any(c.length == 0 for c in cohorts)
+            unstepped = not ragged and any(c.length == 0 for c in cohorts)
             if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens, cands):
                 pending = (lengths[i] for i in itertools.islice(order, next_src, None))
                 take = self.scheduler.admit(live, live_tokens, pending, cands, self.width)
@@ -243,7 +280,11 @@ class StreamBeamGenerator(SequenceGenerator):
                     new = order[next_src: next_src + take]
                     next_src += take
                     live_tokens += sum(lengths[i] for i in new)
-                    cohorts.append(self._admit(srcs, new, prefix_tokens, bos, device, serial=next_src))
+                    cohort = self._admit(srcs, new, prefix_tokens, bos, device, serial=next_src, ragged=ragged)
+                    if ragged and cohorts:  # straight into the live batch: its first step is the next step
+                        cohorts[0] = Cohort.merge(cohorts[0], cohort, self.pad)
+                    else:
+                        cohorts.append(cohort)
             i = self.scheduler.pick(cohorts)
             c = cohorts[i]
             for other in cohorts:
@@ -270,8 +311,9 @@ class StreamBeamGenerator(SequenceGenerator):
     # ---------------------------------------------------------------------------------------
 
     def _admit(self, srcs: Sources, new: List[int], prefix_tokens: Optional[Tensor], bos: int, device,
-               serial: int) -> Cohort:
-        """Encode sources `new` (window rows) together and start their beams."""
+               serial: int, ragged: bool = False) -> Cohort:
+        """Encode sources `new` (window rows) together and start their beams; `ragged`: cache
+        their encoder keys now, so they can join a cohort of sources at other steps."""
         if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
             new = sorted(new, key=lambda i: -srcs.lengths[i])
         t = self._tick()
@@ -286,8 +328,13 @@ class StreamBeamGenerator(SequenceGenerator):
             prefix = prefix_tokens if srcs.is_whole(new) else prefix_tokens.index_select(
                 0, torch.tensor(new, device=device))
         cache = DecoderCache(self.model, enc, self.keep_encoder_out, len(new))
+        if ragged:
+            for m, state, e in zip(self.model.models, cache.states, enc):
+                prime_encoder_keys(m.decoder, state, e)
+            cache.after_step()  # the encoder keys are cached: outputs are no longer read
         src_len = np.array([srcs.lengths[i] for i in new])
-        cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, serial, device, dtype)
+        cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, serial, device, dtype,
+                        ragged)
         if srcs.is_whole(new):  # fairseq's own batch: its padded width
             cohort.src_width = srcs.net_input["src_tokens"].size(1)
         if self.print_alignment:
@@ -299,8 +346,9 @@ class StreamBeamGenerator(SequenceGenerator):
     def _step(self, c: Cohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
         """One decoder step for cohort `c`: expand, rank, finalize, prune, reorder. Returns the
         window rows of sources that finished."""
-        L = c.length
+        L = c.length  # ragged: the furthest source's step; sources' own steps are c.steps_h / c.steps_t
         b = c.beams
+        ragged = c.ragged
         all_live = bool(c.live_h.all())
         if all_live:
             tokens_in, row_src = b.tokens, b.src
@@ -308,8 +356,11 @@ class StreamBeamGenerator(SequenceGenerator):
             live_idx = torch.from_numpy(np.flatnonzero(c.live_h)).to(b.src.device)
             tokens_in, row_src = b.tokens.index_select(0, live_idx), b.src.index_select(0, live_idx)
         t = self._tick()
-        lprobs, step_attn = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
-                                                       self.temperature)
+        if ragged:
+            lprobs, step_attn = self._ragged_lprobs(c, tokens_in, row_src), None
+        else:
+            lprobs, step_attn = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
+                                                           self.temperature)
         if self.lm_model is not None:  # shallow fusion as fairseq does it: the LM reads the whole prefix
             lm_out = self.lm_model(tokens_in)
             lprobs = lprobs + self.lm_weight * self.lm_model.get_normalized_probs(lm_out, log_probs=True)[:, -1, :]
@@ -325,11 +376,14 @@ class StreamBeamGenerator(SequenceGenerator):
             cnt.trace.append((L, rows, dt))
         c.cache.after_step()
 
-        at_max = c.max_len_t.index_select(0, row_src) <= L if L >= min(c.max_len) else None
-        prefix = None
-        if c.prefix is not None and L < c.prefix.size(1):
-            prefix = c.prefix[:, L].index_select(0, row_src)
-        lprobs = self.penalties(lprobs, L, at_max, prefix, tokens_in)
+        if ragged:
+            lprobs = self._ragged_penalties(c, lprobs, row_src, tokens_in)
+        else:
+            at_max = c.max_len_t.index_select(0, row_src) <= L if L >= min(c.max_len) else None
+            prefix = None
+            if c.prefix is not None and L < c.prefix.size(1):
+                prefix = c.prefix[:, L].index_select(0, row_src)
+            lprobs = self.penalties(lprobs, L, at_max, prefix, tokens_in)
         if self.scorer is not None:
             lprobs = self.scorer.score(lprobs, b.state if all_live else b.state.index_select(0, live_idx))
 
@@ -343,7 +397,7 @@ class StreamBeamGenerator(SequenceGenerator):
         best_final = torch.maximum(c.best_final, fin_best)
         keep = self.pruning.threshold_keep(ranked.scores, keep, best_final)
         n_final = c.n_final + final.sum(1)
-        done = (n_final >= self.finalizer.target) | ~keep.any(1) | (c.max_len_t <= L)
+        done = (n_final >= self.finalizer.target) | ~keep.any(1) | (c.max_len_t <= (c.steps_t if ragged else L))
         keep &= ~done.unsqueeze(1)
         lost = ranked.is_eos & ~final & ~keep
         lost_best, lost_rank = ranked.scores.masked_fill(~lost, -math.inf).max(1)
@@ -403,7 +457,7 @@ class StreamBeamGenerator(SequenceGenerator):
             live=torch.from_numpy(new_live).to(dev),
             state=None if self.scorer is None else self.scorer.advance(b.state.index_select(0, par_t), tok),
         )
-        c.len_h = np.where(carried, c.len_h[parents], L + 1)
+        c.len_h = np.where(carried, c.len_h[parents], c.steps_h[kp // R] + 1)
         row_src_old = (kp // R)[new_live]  # source of each new cache row, old numbering
         moved = not np.array_equal(row_src_old, c.cache_src_h)
         c.cache.reorder(torch.from_numpy(cache_row[parents[new_live]]).to(dev), sources_moved=moved)
@@ -425,6 +479,9 @@ class StreamBeamGenerator(SequenceGenerator):
             c.src_len = c.src_len[keep_src]
             c.enc_start = c.enc_start[keep_src]
             c.max_len_t = c.max_len_t.index_select(0, ks)
+            c.steps_h = c.steps_h[keep_src]
+            if ragged:
+                c.steps_t = c.steps_t.index_select(0, ks)  # type: ignore[union-attr]
             n_final = n_final.index_select(0, ks)
             best_final = best_final.index_select(0, ks)
             c.lost_best = c.lost_best.index_select(0, ks)
@@ -434,7 +491,59 @@ class StreamBeamGenerator(SequenceGenerator):
         c.n_final = n_final
         c.best_final = best_final
         c.length = L + 1
+        c.steps_h = c.steps_h + 1
+        if ragged:
+            c.steps_t = c.steps_t + 1  # type: ignore[operator]
+            if c.ids:
+                self._tidy_ragged(c)
         return done_ids
+
+    def _ragged_lprobs(self, c: Cohort, tokens_in: Tensor, row_src: Tensor) -> Tensor:
+        """Log-probs [N, V] of the live rows of a ragged cohort, each row's last token at its own
+        position. fairseq's incremental decoder takes one position for the whole batch (the
+        prefix width), so the rows go through `forward_block` as blocks of one token over the
+        cohort's cache; the scores are fairseq's `EnsembleModel.forward_decoder`'s (temperature,
+        normalized log-probs, the ensemble's log-mean-exp)."""
+        positions = c.steps_t.index_select(0, row_src).unsqueeze(1)  # type: ignore[union-attr]
+        tokens = tokens_in[:, -1:]
+        stand_in = encoder_out_stand_in(self.model, tokens.size(0), tokens.device)
+        outs = []
+        for m, state, enc in zip(self.model.models, c.cache.states, stand_in):
+            logits = forward_block(m.decoder, tokens, positions, enc, state, None, max_position=int(c.steps_h.max()))
+            if self.temperature != 1.0:
+                logits = logits.div_(self.temperature)
+            outs.append(m.get_normalized_probs((logits, None), log_probs=True)[:, -1, :])
+        if len(outs) == 1:
+            return outs[0]
+        return torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
+
+    def _ragged_penalties(self, c: Cohort, lprobs: Tensor, row_src: Tensor, tokens_in: Tensor) -> Tensor:
+        """fairseq's per-step adjustments for rows at their sources' own steps: the length limit
+        and the minimum length per row. The rows' prefixes are left-padded, which n-gram blocking
+        never matches (padding is never a token of a prefix)."""
+        steps = c.steps_t.index_select(0, row_src)  # type: ignore[union-attr]
+        at_max = None
+        if bool((c.steps_h >= np.asarray(c.max_len)).any()):
+            at_max = c.max_len_t.index_select(0, row_src) <= steps
+        short = int(c.steps_h.min()) < self.min_len
+        lprobs = self.penalties(lprobs, max(int(c.steps_h.min()), self.min_len), at_max, None, tokens_in)
+        if short:  # no EOS before the minimum length, per row: an -inf write, like the others in any order
+            lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(steps < self.min_len, -math.inf)
+        return lprobs
+
+    def _tidy_ragged(self, c: Cohort) -> None:
+        """After a ragged step: drop the token columns no source reaches any more (its furthest
+        source finished), and the cache's masked self-attention slots once they are more than the
+        longest row again plus a slack (`compact`; the longest row's slot count is known here)."""
+        top = int(c.steps_h.max())
+        if top < c.length:
+            b = c.beams
+            c.beams = Beams(tokens=b.tokens[:, b.tokens.size(1) - top - 1:], cum=b.cum[:, b.cum.size(1) - top:],
+                            src=b.src, live=b.live, state=b.state)
+            c.length = top
+        if c.live_h.any() and cached_length(self.model.models[0].decoder, c.cache.states[0]) > 2 * top + COMPACT_SLACK:
+            for m, state in zip(self.model.models, c.cache.states):
+                compact(m.decoder, state, keep=top)
 
     def _hypotheses(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
                     carried_h: np.ndarray, R: int, L: int, attn: Optional[Tensor] = None):
@@ -452,19 +561,21 @@ class StreamBeamGenerator(SequenceGenerator):
         cum = torch.cat([b.cum.index_select(0, par_t), raw.unsqueeze(1)], 1)
         pos = cum.clone()
         pos[:, 1:] = cum[:, 1:] - cum[:, :-1]
-        lens = np.where(carried_h[fin_pos].astype(bool), c.len_h[parents], L + 1)
+        src_of = fin_pos // R
+        lens = np.where(carried_h[fin_pos].astype(bool), c.len_h[parents], c.steps_h[src_of] + 1)
+        start = b.tokens.size(1) - 1 - c.steps_h[src_of]  # 0 unless ragged (right-aligned rows)
         if self.normalize_scores:
             div = torch.tensor([float(n) ** self.len_penalty for n in lens], dtype=raw.dtype, device=dev)
             score = raw / div
         else:
             score = raw
         for j, p in enumerate(fin_pos):
-            n, src = int(lens[j]), p // R
+            n, src, s0 = int(lens[j]), p // R, int(start[j])
             yield c.ids[src], {
-                "tokens": toks[j, :n], "score": score[j],
+                "tokens": toks[j, s0:s0 + n], "score": score[j],
                 "attention": torch.empty(0) if attn is None else attention.in_sample_layout(
                     attn[j, :n], int(c.enc_start[src]), int(c.src_len[src]), c.sample_width, c.left_pad),
-                "alignment": torch.empty(0), "positional_scores": pos[j, :n],
+                "alignment": torch.empty(0), "positional_scores": pos[j, s0:s0 + n],
             }
 
     def _empty_hypo(self, dev) -> Dict[str, Tensor]:
@@ -498,3 +609,25 @@ def _max_source_positions(model) -> int:
         if isinstance(mp, int):
             best = min(best, mp)
     return int(best) if best != math.inf else 10**9
+
+
+def _widen(b: Beams, length: int, pad: int) -> Beams:
+    """`b` right-aligned to `length` decoded tokens: tokens [N, length + 1] left-padded with `pad`,
+    cum [N, length] with 0 (a row's score before its first token)."""
+    extra = length + 1 - b.tokens.size(1)
+    if extra == 0:
+        return b
+    return Beams(tokens=torch.cat([b.tokens.new_full((b.rows, extra), pad), b.tokens], 1),
+                 cum=torch.cat([b.cum.new_zeros(b.rows, extra), b.cum], 1), src=b.src, live=b.live, state=b.state)
+
+
+def _no_ragged_steps(model, lm_model, print_alignment) -> Optional[str]:
+    """Why rows of different lengths cannot step together with this model and these options
+    (None: they can)."""
+    if not transformer_decoders(model) or not all(block_decodable(m.decoder) for m in model.models):
+        return "it needs fairseq transformer decoders with encoder attention (per-row positions)"
+    if lm_model is not None:
+        return "shallow fusion's language model reads whole prefixes of one length"
+    if print_alignment is not None:
+        return "--print-alignment reads each step's attention from fairseq's decoder"
+    return None

@@ -26,6 +26,17 @@ from .lean_layer import Slots, lean_layers, plain_modules, supports_lean
 IncState = Dict[str, Dict[str, Optional[Tensor]]]
 
 
+def block_decodable(decoder) -> bool:
+    """True when rows of different lengths can share `decoder`'s cache: `forward_block` runs it
+    (fairseq's transformer decoder without cross-self-attention, whose keys mix the encoder output
+    into the self-attention cache) and every layer attends to the encoder, so new rows are primed
+    with their encoder keys alone (`prime_encoder_keys`)."""
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    return (isinstance(decoder, TransformerDecoderBase) and not getattr(decoder, "cross_self_attention", False)
+            and all(getattr(layer, "encoder_attn", None) is not None for layer in decoder.layers))
+
+
 def check_block_decoder(decoder) -> None:
     from fairseq.models.transformer import TransformerDecoderBase
 
@@ -218,8 +229,10 @@ def roll_back(decoder, state: IncState, kept: List[int], m: int) -> None:
     mask_slots(decoder, state, torch.from_numpy(masked).to(keys.device))  # type: ignore[union-attr]
 
 
-def compact(decoder, state: IncState) -> None:
-    """Drop masked self-attention slots, keeping each row's valid slots in order (left-aligned)."""
+def compact(decoder, state: IncState, keep: Optional[int] = None) -> None:
+    """Drop masked self-attention slots, keeping each row's valid slots in order (left-aligned).
+    `keep`: slots to keep per row when the caller knows, on the host, a bound at least the largest
+    count of valid slots of a row (saves a device-to-host sync); None counts them."""
     mods = _self_attn_modules(decoder)
     buf0 = mods[0]._get_input_buffer(state)
     mask = buf0.get("prev_key_padding_mask")
@@ -227,7 +240,7 @@ def compact(decoder, state: IncState) -> None:
         return
     mask = mask.bool()  # fairseq stores it as float after appending a block with padding
     valid = ~mask
-    keep = int(valid.sum(1).max())
+    keep = int(valid.sum(1).max()) if keep is None else min(keep, mask.size(1))
     order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices[:, :keep]  # valid slots first
     new_mask = ~valid.gather(1, order)
     for mha in mods:
@@ -238,6 +251,23 @@ def compact(decoder, state: IncState) -> None:
             buf[name] = t.gather(2, idx)
         buf["prev_key_padding_mask"] = new_mask
         mha._set_input_buffer(state, buf)
+
+
+def prime_encoder_keys(decoder, state: IncState, encoder_out) -> None:
+    """Cache the encoder-attention keys and values of new rows in `state` (empty) without a
+    decoder step, as fairseq's MultiheadAttention caches them at its first step (static keys,
+    `prev_key` [N, H, S, d], `prev_value`, `prev_key_padding_mask` [N, S] or None). The rows have
+    no self-attention slots yet, so their state can join a running cache (`cat_incremental_states`
+    pads them with masked slots) and take their first step in the same decoder call as rows that
+    are further along (`forward_block` with per-row positions)."""
+    enc = encoder_out["encoder_out"][0]  # [S, N, C]
+    enc_mask = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
+    s, n = enc.size(0), enc.size(1)
+    for mha in _encoder_attn_modules(decoder):
+        h, d = mha.num_heads, mha.head_dim
+        k = mha.k_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
+        v = mha.v_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
+        mha._set_input_buffer(state, {"prev_key": k, "prev_value": v, "prev_key_padding_mask": enc_mask})
 
 
 def truncate_slots(decoder, state: IncState, length: int) -> None:

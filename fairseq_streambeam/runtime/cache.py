@@ -79,7 +79,8 @@ class DecoderCache:
 
     @staticmethod
     def cat(caches: List[DecoderCache]) -> DecoderCache:
-        """Concatenate cohorts of equal target length (rows and sources in the given order)."""
+        """Concatenate cohorts (rows and sources in the given order): of equal target length, or
+        of any lengths for decoders stepped with per-row positions (`cat_incremental_states`)."""
         first = caches[0]
         out = DecoderCache(first.model, None, first.keep_encoder_out, sum(c.n_sources for c in caches))
         out.stepped = True
@@ -199,13 +200,17 @@ def reorder_incremental_state(decoder: FairseqIncrementalDecoder, state: IncStat
 def cat_incremental_states(states: List[IncState]) -> IncState:
     """Concatenate MultiheadAttention buffers of several cohorts along the batch dimension.
 
-    Self-attention buffers have equal lengths (cohorts share a target length). Encoder-attention
-    buffers are right-padded to the longest source: keys/values with zeros, the padding mask with
-    True, so padded positions get exactly zero attention weight.
+    Buffers are right-padded to the longest: keys/values with zeros, the padding mask with True,
+    so padded positions get exactly zero attention weight. Encoder-attention buffers differ in
+    source length; self-attention buffers are equal for cohorts of one target length, and differ
+    for rows at different steps (continuous order), whose attention is masked per row. An entry
+    missing from a state (rows primed with their encoder keys only, `prime_encoder_keys`, have no
+    self-attention slots yet) counts as no slots of that state's rows.
     """
     out: IncState = {}
-    for key in states[0]:
-        bufs = [s[key] for s in states]
+    keys = list(dict.fromkeys(key for s in states for key in s))
+    for key in keys:
+        bufs = [s[key] if key in s else _no_slots(s, states, key) for s in states]
         if any(set(b) != set(bufs[0]) for b in bufs):
             raise ValueError(f"incremental state entry {key!r} differs between cohorts")
         merged: Dict[str, Optional[Tensor]] = {}
@@ -220,7 +225,7 @@ def cat_incremental_states(states: List[IncState]) -> IncState:
         for name in bufs[0]:
             ts = [b[name] for b in bufs]
             if name == "prev_key_padding_mask":
-                if all(t is None for t in ts):
+                if all(t is None for t in ts) and all(k.size(2) == length for k in kv):  # type: ignore[union-attr]
                     merged[name] = None
                     continue
                 ts = [  # no mask: none of that cohort's own keys is masked (its padding up to `length` is)
@@ -234,6 +239,17 @@ def cat_incremental_states(states: List[IncState]) -> IncState:
                 raise NotImplementedError(f"cannot merge incremental state field {name!r}")
         out[key] = merged
     return out
+
+
+def _no_slots(state: IncState, states: List[IncState], key: str) -> Dict[str, Optional[Tensor]]:
+    """A buffer `key` with no slots for the rows of `state` (which lacks it), shaped like the
+    other states' `key` buffers."""
+    like = next(s[key]["prev_key"] for s in states if key in s)
+    rows = {b["prev_key"].size(0) for b in state.values() if isinstance(b.get("prev_key"), Tensor)}
+    if len(rows) != 1:
+        raise NotImplementedError(f"incremental state entry {key!r} is missing from a state whose rows are unknown")
+    empty = like.new_zeros(rows.pop(), like.size(1), 0, like.size(3))  # type: ignore[union-attr]
+    return {"prev_key": empty, "prev_value": empty, "prev_key_padding_mask": None}
 
 
 def cat_encoder_outs(outs: List[EncOut]) -> EncOut:

@@ -6,6 +6,9 @@ Policies (the output never depends on them; only speed does):
 - ``min-length``: step the cohort with the shortest target prefix; refill when fewer than
   eps*n sources are live (VAR-STREAM, Yang et al. 2020).
 - ``fifo``: like min-length, but step the cohort holding the earliest-admitted source (paper A.2).
+- ``continuous``: every live source steps in each decoder call, whatever its prefix length: new
+  sources join the one live batch at once (the generator keeps a single cohort whose rows carry
+  their own positions), so a step expands the whole budget; refill as min-length.
 A latency bound (`max_wait`) steps a cohort first once it has waited that many decoder steps.
 """
 
@@ -14,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence
 
-POLICIES = ("batch", "min-length", "fifo")
+POLICIES = ("batch", "min-length", "fifo", "continuous")
+RAGGED = ("continuous",)  # policies whose one cohort holds sources at different steps
 
 
 class CohortLike(Protocol):
