@@ -51,6 +51,22 @@ def test_hand_computed_scores_and_history_rows():
     assert s.advance(st, torch.tensor([20])).item() == s.root_of[st].item()  # unseen word: back to the root
 
 
+def test_posteriors_without_their_substrings_score_as_the_reference():
+    """A file may hold a 4-gram without its lower orders: the rows still reach it."""
+    post = {(4, 5, 6, 7): 0.5, (9,): 0.3, (5, 9): 0.25}
+    s = LMBRScorer({0: post}, THETA, lam=1.0, pad=PAD)
+    st = s.start([0], torch.device("cpu"))
+    hist = []
+    for w in (8, 4, 5, 9, 4, 5, 6, 7, 5, 9):
+        lp = torch.randn(1, len(D))
+        got = s.score(lp.clone(), st)[0]
+        for v in range(len(D)):
+            assert got[v].item() == pytest.approx(reference_score(post, THETA, 1.0, hist, v, lp[0, v].item()), abs=1e-5)
+        st = s.advance(st, torch.tensor([w]))
+        hist.append(w)
+    assert s.chain(st)[0].tolist()[2:] == [s.root_of[st].item(), -1]  # history (.. 5 9): rows (5 9), (9), root
+
+
 def _random_posteriors(rng, n_entries=4, vocab=range(4, 30)):
     entries = [(rng.uniform(-6, -1), [rng.choice(vocab) for _ in range(rng.randint(1, 7))] + [EOS])
                for _ in range(n_entries)]

@@ -6,21 +6,23 @@ Each step, the candidate word w after history h scores
 
 The matrix of the paper (one row per history, one column per word) is kept sparse: a row per
 history s present in the evidence (all n-grams of order 0..3) holds only its *own* order's entries
-(w, Theta_{|s|+1} * P(s+w)) and points to its back-off row s[1:]; a candidate's score sums the rows
-along that chain (at most 4), so no row repeats the lower orders. Every candidate carries the row of
-the longest suffix of its history present in the evidence; it moves with the candidate through
-beam reordering and refill, and advances with one lookup per chain level.
+(w, Theta_{|s|+1} * P(s+w)), and knows the rows of its suffixes; a candidate's score sums the rows of
+its history's suffixes (at most 4), so no row repeats the lower orders. Every candidate carries the
+row of the longest suffix of its history present in the evidence; it moves with the candidate
+through beam reordering and refill. Scoring gathers each suffix length's rows padded to that
+length's widest row (the root's unigrams are many, a long history's entries few); advancing looks
+(row, word) up in one sorted array of transitions. Neither synchronizes with the host.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,36 +61,52 @@ def load_posteriors(path: str) -> Dict[int, Dict[NGram, float]]:
 
 
 class _Table:
-    """Host-side rows of one sentence before they join the device tables."""
+    """Host-side rows of one sentence before they join the device tables (numpy arrays, row ids
+    from `offset`). Rows: the root, then every substring of length 1..3 of an evidence n-gram
+    (closed under substrings, so the longest suffix in the table of h+w is found from the rows of
+    h's suffixes), shorter histories first, so a longer suffix has a larger row id."""
 
     def __init__(self, post: Dict[NGram, float], theta: Theta, offset: int):
-        # histories: every substring of length <= 3 of an evidence n-gram (closed under substrings,
-        # so the longest suffix in the table of h+w is found from the row of h alone)
-        subs = {g[i:j] for g in post for i in range(len(g)) for j in range(i + 1, min(len(g), i + MAX_ORDER - 1) + 1)}
-        keys: List[NGram] = [()] + sorted(subs, key=lambda g: (len(g), g))
-        self.row_of = {k: offset + i for i, k in enumerate(keys)}
-        own: Dict[NGram, Dict[int, float]] = defaultdict(dict)
-        for k in keys[1:]:
-            own[k[:-1]].setdefault(k[-1], 0.0)  # a transition, even where the n-gram scores nothing
-        for g, p in post.items():
-            if 1 <= len(g) <= MAX_ORDER and p != 0.0:
-                own[g[:-1]][g[-1]] = own[g[:-1]].get(g[-1], 0.0) + theta.theta[len(g) - 1] * p
-        self.backoff, self.ent_tok, self.ent_score, self.ent_next, self.count = [], [], [], [], []
-        root = offset
-        for k in keys:
-            self.backoff.append(self.row_of[k[1:]] if k else -1)
-            ents = sorted(own.get(k, {}).items())
-            self.count.append(len(ents))
-            for w, s in ents:
-                self.ent_tok.append(w)
-                self.ent_score.append(s)
-                self.ent_next.append(self.row_of.get(k + (w,), -1))
-        self.root = root
-        self.rows = len(keys)
+        # closure under substrings, longest first: a substring of g is one of its prefix's or suffix's
+        levels: List[set] = [set() for _ in range(MAX_ORDER + 1)]
+        for g in post:
+            if 1 <= len(g) <= MAX_ORDER:
+                levels[len(g)].add(g)
+        for n in range(MAX_ORDER, 1, -1):
+            below = levels[n - 1]
+            for g in levels[n]:
+                below.add(g[:-1])
+                below.add(g[1:])
+        keys: List[NGram] = [()]
+        for n in range(1, MAX_ORDER):
+            keys += levels[n]
+        row_of = {k: offset + i for i, k in enumerate(keys)}
+        self.rows, self.root = len(keys), offset
+        self.anc = np.full((len(keys), MAX_ORDER), -1, dtype=np.int64)  # row of the suffix of length h
+        self.level = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
+        for i, k in enumerate(keys):
+            for h in range(len(k) + 1):
+                self.anc[i, h] = row_of[k[len(k) - h:]]
+        # entries: one per n-gram g (every closure member and every scored n-gram), on row g[:-1]
+        grams = [g for n in range(1, MAX_ORDER + 1) for g in levels[n]]
+        parent = np.fromiter((row_of[g[:-1]] for g in grams), dtype=np.int64, count=len(grams))
+        tok = np.fromiter((g[-1] for g in grams), dtype=np.int64, count=len(grams))
+        score = np.fromiter((theta.theta[len(g) - 1] * post.get(g, 0.0) for g in grams), dtype=np.float64,
+                            count=len(grams))
+        nxt = np.fromiter((row_of.get(g, -1) for g in grams), dtype=np.int64, count=len(grams))
+        order = np.lexsort((tok, parent))
+        self.ent_row, self.ent_tok = parent[order], tok[order]
+        self.ent_score, self.ent_next = score[order].astype(np.float32), nxt[order]
+        self.count = np.bincount(self.ent_row - offset, minlength=len(keys))
+
+
+# the key of a transition (row, token) is row * KEY_BASE + token: token ids stay below it
+KEY_BASE = 1 << 24
 
 
 class LMBRScorer:
-    """Adds LMBR n-gram posterior scores to a batch of live candidates in one pass per chain level.
+    """Adds LMBR n-gram posterior scores to a batch of live candidates with one gather and one
+    scatter-add; advances histories with one sorted lookup per suffix length.
 
     `posteriors` maps sentence id -> {n-gram: posterior}; a sentence without posteriors gets only
     lambda and Theta0. State per candidate: a row id (long)."""
@@ -102,10 +120,16 @@ class LMBRScorer:
 
     def reset(self) -> None:
         """Forget the rows of earlier sources (called per generate call)."""
-        self.backoff = self.count = self.row_ptr = self.ent_tok = self.ent_score = self.ent_next = None
-        self.root_of: Optional[Tensor] = None
+        self.anc = self.level = self.count = self.row_ptr = self.ent_tok = self.ent_score = None
+        self.trans_key = self.trans_next = None
         self.rows = 0
-        self.max_entries = 0
+        self.width = [0] * MAX_ORDER  # most entries of a row, per history length
+        self._cols: Optional[Tuple[Tensor, Tensor]] = None
+
+    @property
+    def root_of(self) -> Tensor:
+        """Each row's sentence root."""
+        return self.anc[:, 0]
 
     def start(self, sentence_ids: Sequence[int], device: torch.device) -> Tensor:
         """Build rows for new sources; returns each source's initial state (its root row)."""
@@ -114,66 +138,81 @@ class LMBRScorer:
             t = _Table(self.posteriors.get(int(sid), {}), self.theta, self.rows)
             self.rows += t.rows
             tables.append(t)
+        if not tables:
+            return torch.zeros(0, dtype=torch.long, device=device)
         n_ent = 0 if self.ent_tok is None else self.ent_tok.numel()
-        counts = [c for t in tables for c in t.count]
-        ptr = torch.tensor(counts, dtype=torch.long).cumsum(0) - torch.tensor(counts, dtype=torch.long) + n_ent
+        count = np.concatenate([t.count for t in tables])
+        level = np.concatenate([t.level for t in tables])
+        ptr = np.cumsum(count) - count + n_ent
+        ent_next = np.concatenate([t.ent_next for t in tables])
+        ent_tok = np.concatenate([t.ent_tok for t in tables])
+        ent_row = np.concatenate([t.ent_row for t in tables])
+        trans = ent_next >= 0
+        for h in range(MAX_ORDER):
+            at = count[level == h]
+            if at.size:
+                self.width[h] = max(self.width[h], int(at.max()))
+        self._cols = None
 
         def cat(old, new, dtype):
-            new_t = torch.tensor(new, dtype=dtype, device=device)
+            new_t = torch.from_numpy(np.ascontiguousarray(new)).to(device=device, dtype=dtype)
             return new_t if old is None else torch.cat([old, new_t])
 
-        self.backoff = cat(self.backoff, [b for t in tables for b in t.backoff], torch.long)
-        self.count = cat(self.count, counts, torch.long)
-        self.row_ptr = cat(self.row_ptr, ptr.tolist(), torch.long)
-        self.root_of = cat(self.root_of, [t.root for t in tables for _ in range(t.rows)], torch.long)
-        self.ent_tok = cat(self.ent_tok, [w for t in tables for w in t.ent_tok], torch.long)
-        self.ent_score = cat(self.ent_score, [s for t in tables for s in t.ent_score], torch.float32)
-        self.ent_next = cat(self.ent_next, [x for t in tables for x in t.ent_next], torch.long)
-        self.max_entries = max([self.max_entries, *counts]) if counts else self.max_entries
+        self.anc = cat(self.anc, np.concatenate([t.anc for t in tables]), torch.long)
+        self.level = cat(self.level, level, torch.long)
+        self.count = cat(self.count, count, torch.long)
+        self.row_ptr = cat(self.row_ptr, ptr, torch.long)
+        self.ent_tok = cat(self.ent_tok, ent_tok, torch.long)
+        self.ent_score = cat(self.ent_score, np.concatenate([t.ent_score for t in tables]), torch.float32)
+        # rows of later sources have larger ids: the keys stay sorted across admissions
+        self.trans_key = cat(self.trans_key, ent_row[trans] * KEY_BASE + ent_tok[trans], torch.long)
+        self.trans_next = cat(self.trans_next, ent_next[trans], torch.long)
         return torch.tensor([t.root for t in tables], dtype=torch.long, device=device)
 
-    def _entries(self, rows: Tensor) -> Tuple[Tensor, Tensor]:
-        """Entry indices [..., E] of each row (clamped) and their validity mask; rows -1 have none."""
-        span = torch.arange(max(self.max_entries, 1), device=rows.device)
-        safe = rows.clamp(min=0).unsqueeze(-1)
-        ok = (rows >= 0).unsqueeze(-1) & (span < self.count[safe])
-        idx = (self.row_ptr[safe] + span).clamp(max=max(self.ent_tok.numel() - 1, 0))
-        return idx, ok
+    def _columns(self, device: torch.device) -> Tuple[Tensor, Tensor]:
+        """Per gathered column: the history length whose row it reads, and the entry within the row;
+        each history length gets as many columns as its longest row has entries."""
+        if self._cols is None or self._cols[0].device != device:
+            lvl = torch.cat([torch.full((w,), h, dtype=torch.long) for h, w in enumerate(self.width)])
+            span = torch.cat([torch.arange(w) for w in self.width])
+            self._cols = (lvl.to(device), span.to(device))
+        return self._cols
 
     def chain(self, state: Tensor) -> Tensor:
         """[N, 4] rows along each candidate's back-off chain (-1 past the root)."""
-        levels = [state]
-        for _ in range(MAX_ORDER - 1):
-            r = levels[-1]
-            levels.append(torch.where(r >= 0, self.backoff[r.clamp(min=0)], r))
-        return torch.stack(levels, 1)
+        anc = self.anc[state]
+        j = self.level[state].unsqueeze(1) - torch.arange(MAX_ORDER, device=state.device)
+        return torch.where(j >= 0, anc.gather(1, j.clamp(min=0)), torch.full_like(anc, -1))
 
     def score(self, lprobs: Tensor, state: Tensor) -> Tensor:
-        """lambda * lprobs + Theta0 + the rows along each candidate's back-off chain, added with
-        one gather and one in-place scatter-add over all chain levels."""
-        if self.lam != 1.0:
-            lprobs.mul_(self.lam)
-        if self.theta.theta0:
-            lprobs.add_(self.theta.theta0)
+        """lambda * lprobs + Theta0 (one pass), plus the entries of the rows of each candidate's
+        history suffixes, added with one gather and one in-place scatter-add."""
+        if self.lam != 1.0 or self.theta.theta0:
+            theta0 = torch.full((), self.theta.theta0, dtype=lprobs.dtype, device=lprobs.device)
+            lprobs = torch.add(theta0, lprobs, alpha=self.lam, out=lprobs)
         if self.ent_tok is None or self.ent_tok.numel() == 0:
             return lprobs
-        idx, ok = self._entries(self.chain(state))  # [N, 4, E]
-        add = torch.where(ok, self.ent_score[idx], torch.zeros((), dtype=self.ent_score.dtype, device=idx.device))
-        n = lprobs.size(0)
-        return lprobs.scatter_add_(1, self.ent_tok[idx].view(n, -1), add.view(n, -1).to(lprobs.dtype))
+        lvl, span = self._columns(state.device)
+        rows = self.anc[state].index_select(1, lvl)  # [N, W]
+        safe = rows.clamp(min=0)
+        ok = (rows >= 0) & (span < self.count[safe])
+        idx = (self.row_ptr[safe] + span).clamp(max=self.ent_tok.numel() - 1)
+        add = self.ent_score[idx].masked_fill_(~ok, 0.0)
+        return lprobs.scatter_add_(1, self.ent_tok[idx], add.to(lprobs.dtype))
 
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
         """Row after appending `tokens`: the longest suffix of the new history in the evidence
-        (the first chain level whose row has `tokens` as an extension), else the sentence's root.
-        Carried (finished) candidates, marked by token `pad`, keep their row."""
-        if self.ent_tok is None or self.ent_tok.numel() == 0:
+        (the longest history suffix whose row has `tokens` as an extension), else the sentence's
+        root. Carried (finished) candidates, marked by token `pad`, keep their row."""
+        if self.trans_key is None or self.trans_key.numel() == 0:
             return state
-        idx, ok = self._entries(self.chain(state))  # [N, 4, E]
-        hit = ok & (self.ent_tok[idx] == tokens.view(-1, 1, 1)) & (self.ent_next[idx] >= 0)
-        cand = torch.where(hit, self.ent_next[idx], torch.full_like(idx, -1)).max(dim=2).values  # [N, 4]
-        found = cand >= 0
-        first = found.to(torch.int8).argmax(dim=1, keepdim=True)  # longest level with an extension
-        nxt = torch.where(found.any(1), cand.gather(1, first).squeeze(1), self.root_of[state])
+        anc = self.anc[state]  # [N, 4]
+        keys = torch.where(anc >= 0, anc * KEY_BASE + tokens.unsqueeze(1), torch.full_like(anc, -1))
+        pos = torch.searchsorted(self.trans_key, keys).clamp(max=self.trans_key.numel() - 1)
+        hit = self.trans_key[pos] == keys
+        # a longer suffix's row has a larger id: the largest hit is the longest suffix
+        nxt = torch.where(hit, self.trans_next[pos], torch.full_like(pos, -1)).max(dim=1).values
+        nxt = torch.where(nxt >= 0, nxt, anc[:, 0])
         return torch.where(tokens == self.pad, state, nxt)
 
 
