@@ -228,3 +228,18 @@ def test_bench_accepts_the_tuned_config(tiny_run, tmp_path):
                        "--out", str(tmp_path), "--quiet", "--no-plots", "--limit", "12", "--config", str(cfg),
                        "--lmbr-posteriors", str(tmp_path / "p.jsonl")])
     assert rows[0]["bleu"] > 0 and rows[1]["bleu"] == 0 and rows[1]["identical_to_exact_ref"] < 0.5
+
+
+def test_tune_script_makes_evidence_and_tunes(tiny_run, tmp_path):
+    data, ckpt = tiny_run
+    out = tmp_path / "tune"
+    r = run_cli(["bash", str(Path(__file__).parents[1] / "scripts" / "tune_lmbr.sh"), "--data", str(data), "--path",
+                 str(ckpt), "-s", "src", "-t", "tgt", "--dev", "test", "--nbest-size", "3", "--post-process", "none",
+                 "--out", str(out), "--", "--lambdas", "0.5", "1", "--theta0s", "0", "--search", "grid", "--quiet",
+                 "--cpu"], env_extra={"PYTHON": str(BIN / "python")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    nbest = out / "evidence" / "checkpoint_last.test.nbest3"
+    assert len(re.findall(r"^H-\d+\t", nbest.read_text(), re.M)) == 3 * N_TEST
+    res = json.loads((out / "tune.json").read_text())
+    assert len(res["results"]) == 1 + 2 and res["args"]["nbest"] == [str(nbest)]
+    assert json.loads((out / "best.json").read_text())["lmbr_lambda"] in (0.5, 1.0)
