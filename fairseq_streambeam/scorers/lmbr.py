@@ -152,7 +152,7 @@ class LMBRScorer:
             at = count[level == h]
             if at.size:
                 self.width[h] = max(self.width[h], int(at.max()))
-        self._cols = None
+        self._cols = self._columns(device)
 
         def cat(old, new, dtype):
             new_t = torch.from_numpy(np.ascontiguousarray(new)).to(device=device, dtype=dtype)
@@ -171,12 +171,11 @@ class LMBRScorer:
 
     def _columns(self, device: torch.device) -> Tuple[Tensor, Tensor]:
         """Per gathered column: the history length whose row it reads, and the entry within the row;
-        each history length gets as many columns as its longest row has entries."""
-        if self._cols is None or self._cols[0].device != device:
-            lvl = torch.cat([torch.full((w,), h, dtype=torch.long) for h, w in enumerate(self.width)])
-            span = torch.cat([torch.arange(w) for w in self.width])
-            self._cols = (lvl.to(device), span.to(device))
-        return self._cols
+        each history length gets as many columns as its longest row has entries. Built at
+        admission, so a decoder step uploads nothing."""
+        lvl = torch.cat([torch.full((w,), h, dtype=torch.long) for h, w in enumerate(self.width)])
+        span = torch.cat([torch.arange(w) for w in self.width])
+        return lvl.to(device), span.to(device)
 
     def chain(self, state: Tensor) -> Tensor:
         """[N, 4] rows along each candidate's back-off chain (-1 past the root)."""
@@ -192,7 +191,7 @@ class LMBRScorer:
             lprobs = torch.add(theta0, lprobs, alpha=self.lam, out=lprobs)
         if self.ent_tok is None or self.ent_tok.numel() == 0:
             return lprobs
-        lvl, span = self._columns(state.device)
+        lvl, span = self._cols
         rows = self.anc[state].index_select(1, lvl)  # [N, W]
         safe = rows.clamp(min=0)
         ok = (rows >= 0) & (span < self.count[safe])
