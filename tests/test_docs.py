@@ -40,8 +40,8 @@ SLOW = "<!-- slow -->"
 # Labels of how or when the code was developed. Text about the user's own machine is fine; the
 # lines that say so are listed in ALLOWED.
 DEV_LABELS = [
-    r"\bsessions? \d+",  # "session 8", "sessions 6-8"
-    r"\bthis session\b",
+    r"\bsessions?\s+\d+",  # a session number, or a range of them
+    r"\bthis\s+session\b",
     r"\b(earlier|previous|last|next|same) session\b",
     r"\b(development|dev) rounds?\b",
     r"\bround \d+\b",

@@ -97,6 +97,11 @@ def test_float32_real_checkpoint_agreement():
     d = task.target_dictionary
     s = make_sample(d, [ds.src[i][:-1].tolist() for i in range(0, 3000, 75)])
     batch = ours(models, d, s, decoding="var-batch", beam_size=5)[0]
-    stream = ours(models, d, s, decoding="var-stream", beam_size=5, budget=Budget(6))[0]
-    same = sum(a[0]["tokens"].tolist() == b[0]["tokens"].tolist() for a, b in zip(batch, stream))
-    assert same >= len(batch) - 1, f"float32 agreement {same}/{len(batch)}"
+    settings = [dict(budget=Budget(6)),  # min-length, then the continuous order with a source and a candidate budget
+                dict(budget=Budget(6), refill_eps=0.9, stream_order="continuous"),
+                dict(budget=Budget(None, None, 40), refill_eps=0.9, stream_order="continuous")]
+    for kw in settings:
+        stream, gen = ours(models, d, s, decoding="var-stream", beam_size=5, **kw)
+        assert gen.scheduler.policy == kw.get("stream_order", "min-length")
+        same = sum(a[0]["tokens"].tolist() == b[0]["tokens"].tolist() for a, b in zip(batch, stream))
+        assert same >= len(batch) - 1, f"{kw}: float32 agreement {same}/{len(batch)}"
