@@ -113,16 +113,22 @@ class StreamBeamConfig(TranslationConfig):
 
 def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
                                    decoding: str = "beam") -> list[str]:
-    """fairseq generation options that `decoding` does not implement (use --decoding fairseq)."""
+    """fairseq generation options that `decoding` does not implement (use --decoding fairseq).
+    Refused too, rather than ignored: --score-reference (fairseq scores the reference instead of
+    decoding), --sampling-topk/--sampling-topp (they mean sampling), and --prefix-size for iad/gad."""
     bad = []
     aggressive = str(decoding) in ("iad", "gad")
     checks = [
+        ("score_reference", lambda v: bool(v), "--score-reference"),
         ("sampling", lambda v: bool(v), "--sampling"),
+        ("sampling_topk", lambda v: v is not None and v >= 0, "--sampling-topk"),
+        ("sampling_topp", lambda v: v is not None and v >= 0, "--sampling-topp"),
         ("diverse_beam_groups", lambda v: v is not None and v > 0, "--diverse-beam-groups"),
         ("diversity_rate", lambda v: v is not None and v > -1, "--diversity-rate"),
         ("match_source_len", lambda v: aggressive and bool(v), "--match-source-len"),
         ("constraints", lambda v: bool(v), "--constraints"),
         ("no_repeat_ngram_size", lambda v: aggressive and v is not None and v > 0, "--no-repeat-ngram-size"),
+        ("prefix_size", lambda v: aggressive and v is not None and v > 0, "--prefix-size"),
         ("print_alignment", lambda v: aggressive and bool(v), "--print-alignment"),
         ("lm_path", lambda v: aggressive and v is not None, "--lm-path"),
     ]
