@@ -163,18 +163,19 @@ def test_fairseq_generate_iad(tiny_run):
 def test_encoder_keys_of_departed_long_sources_are_trimmed(monkeypatch):
     """Streaming groups pad cached encoder keys to their longest source; when the rows holding
     the long sources leave, those columns are dropped (and the output is still greedy's)."""
-    from fairseq_streambeam.runtime import block_step
-    from fairseq_streambeam.runtime.block_step import trim_encoder_slots
+    from fairseq_streambeam.runtime.kv_cache import KVCache
 
     widths = []
+    trim = KVCache.trim_encoder
 
-    def spy(decoder, state):
-        buf = decoder.layers[0].encoder_attn._get_input_buffer(state)
-        before = buf["prev_key"].size(2)
-        trim_encoder_slots(decoder, state)
-        widths.append((before, decoder.layers[0].encoder_attn._get_input_buffer(state)["prev_key"].size(2)))
+    def spy(cache):
+        def width():
+            return cache.decoders[0].layers[0].encoder_attn._get_input_buffer(cache.states[0])["prev_key"].size(2)
+        before = width()
+        trim(cache)
+        widths.append((before, width()))
 
-    monkeypatch.setattr(block_step, "trim_encoder_slots", spy)  # called by keep_rows when rows leave
+    monkeypatch.setattr(KVCache, "trim_encoder", spy)  # called by KVCache.select when rows leave
     m = random_transformer(D, 93, eos_bias=2.0).double()
     sents = [random_sentences(D, 1, 94 + i, min_len=n, max_len=n)[0] for i, n in enumerate([14, 2, 13, 3, 2, 12, 2, 3])]
     s = make_sample(D, sents)

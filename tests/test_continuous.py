@@ -76,9 +76,11 @@ def test_per_row_penalties_and_options():
 def test_masked_slots_are_compacted(monkeypatch):
     """Long outputs, one or two sources admitted at a time: masked cache slots pile up and are
     compacted away, with the same output."""
+    from fairseq_streambeam.runtime.kv_cache import KVCache
+
     calls = []
-    compact = stream_beam.compact
-    monkeypatch.setattr(stream_beam, "compact", lambda *a, **k: calls.append(k) or compact(*a, **k))
+    compact = KVCache.compact
+    monkeypatch.setattr(KVCache, "compact", lambda *a, **k: calls.append(k) or compact(*a, **k))
     models = [random_transformer(D, 35, eos_bias=1.0).double()]
     kw = dict(max_len_b=60, beam_size=3)
     ref = ours(models, D, SAMPLE, decoding="var-batch", **KW | kw)[0]

@@ -17,14 +17,9 @@ from helpers import (
 from fairseq_streambeam import Budget
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime import block_step
-from fairseq_streambeam.runtime.block_step import compact, forward_block, mask_slots, truncate_slots
-from fairseq_streambeam.runtime.cache import (
-    cat_incremental_states,
-    encoder_out_stand_in,
-    reorder_incremental_state,
-    without_padding_mask,
-)
-from fairseq_streambeam.runtime.lean_layer import Slots, supports_lean
+from fairseq_streambeam.runtime.block_step import forward_block
+from fairseq_streambeam.runtime.kv_cache import KVCache, cat_states, stand_in, without_padding_mask
+from fairseq_streambeam.runtime.lean_layer import Slots, lean_supported, supports_lean
 
 D = make_dict(30)
 
@@ -32,12 +27,13 @@ D = make_dict(30)
 def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False):
     """Logits of three cached blocks (the last with a bidirectional tail) and the final cache;
     `packed`: computing only the real slots (logits [T, V], listed with the padding mask)."""
-    monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
+    monkeypatch.setattr(block_step, "lean_supported", lean_supported if lean else (lambda layer: False))
     dec = model.decoder
     enc = model.encoder.forward_torchscript(sample["net_input"])
     n = sample["net_input"]["src_tokens"].size(0)
     g = torch.Generator().manual_seed(0)
-    state: dict = {}
+    cache = KVCache(model, n)
+    state = cache.states[0]
     outs = []
     length = torch.zeros(n, dtype=torch.long)
     for i, (m, tail) in enumerate([(4, 0), (3, 0), (5, 2)]):
@@ -45,17 +41,17 @@ def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False):
         pad = torch.zeros(n, m, dtype=torch.bool)
         pad[0, m - 1] = True  # a row whose block is one slot shorter
         steps = length.unsqueeze(1) + torch.arange(m)
-        e = enc if i == 0 else encoder_out_stand_in(model, n, tokens.device)[0]
+        e = enc if i == 0 else stand_in(model, n, tokens.device)[0]
         slots = Slots.real(pad) if packed else None
         outs.append((forward_block(dec, tokens, steps, e, state, pad, tail=tail, slots=slots), pad))
         if i == 0:  # roll back the last two slots of row 1, as a rejected draft
             masked = torch.zeros(n, m, dtype=torch.bool)
             masked[1, m - 2:] = True
-            mask_slots(dec, state, masked)
+            cache.mask(masked)
         if i == 1:  # row 2 leaves, then compaction drops the rolled-back slots
             keep = torch.tensor([0, 1, 3])
-            reorder_incremental_state(dec, state, keep)
-            compact(dec, state)
+            cache.reorder(keep)
+            cache.compact()
             n, length = 3, length[keep]
         length = length + m
     return outs, state
@@ -116,31 +112,19 @@ def test_unsupported_layers_fall_back_to_fairseq():
     assert supports_lean(hooked.decoder.layers[1])
 
 
-def test_vocabulary_projection_of_a_block_equals_fairseqs():
-    """block_step.output_layer: a transposed copy for blocks of 4+ rows on the CPU, the same
-    values as fairseq's projection (float64), and a fresh copy after the weight changes."""
-    dec = random_transformer(D, 12).double().decoder
-    x = torch.randn(3, 5, dec.output_projection.weight.size(1), dtype=torch.float64)
-    with torch.no_grad():
-        for rows in (x[:1, :1], x[:1, :3], x[:1, :4], x):
-            assert torch.allclose(block_step.output_layer(dec, rows), dec.output_layer(rows), atol=1e-12)
-        assert dec.output_projection in block_step._TRANSPOSED
-        dec.output_projection.weight.mul_(2)  # in place: the copy must follow
-        assert torch.allclose(block_step.output_layer(dec, x), dec.output_layer(x), atol=1e-12)
-
-
 @pytest.mark.parametrize("learned", [False, True])
 def test_position_table_is_kept_and_follows_its_weights(learned):
     """The block step's cached positional table equals a fresh probe at every length, grows past
     what it holds, and a learned table is recomputed after its weight changes in place."""
     dec = random_transformer(D, 14, decoder_learned_pos=learned).double().decoder
+    block = block_step.BlockDecoder(dec)
     with torch.no_grad():
         for length in (3, 2, 9, 40):
-            assert torch.equal(block_step._position_table(dec, length, "cpu"),
-                               block_step._probe_positions(dec, length, "cpu"))
+            assert torch.equal(block.positions(length, "cpu"), block_step._probe_positions(dec, length, "cpu"))
+        assert block._table.size(0) >= 40
         if learned:
             dec.embed_positions.weight.add_(1.0)
-            assert torch.equal(block_step._position_table(dec, 5, "cpu"), block_step._probe_positions(dec, 5, "cpu"))
+            assert torch.equal(block.positions(5, "cpu"), block_step._probe_positions(dec, 5, "cpu"))
 
 
 @pytest.mark.parametrize("options", [{"scale_attn": True}, {"decoder_normalize_before": True}])
@@ -161,7 +145,7 @@ def test_no_encoder_output_means_no_cross_attention_on_both_paths(monkeypatch):
     empty = {"encoder_out": [], "encoder_padding_mask": []}
     got = []
     for lean in (False, True):
-        monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
+        monkeypatch.setattr(block_step, "lean_supported", lean_supported if lean else (lambda layer: False))
         got.append(forward_block(model.decoder, tokens, steps, empty, {}, pad))
     assert torch.allclose(got[0], got[1], atol=1e-10)
 
@@ -171,7 +155,7 @@ def test_lone_row_without_masks_equals_masked_blocks(lean, monkeypatch):
     """A lone row's cache cut back after a rejected draft, with no key masks anywhere (no block
     padding, no encoder padding mask, one-slot passes without a causal mask), gives the logits of
     the masked rollback with all-False masks (float64)."""
-    monkeypatch.setattr(block_step, "supports_lean", supports_lean if lean else (lambda layer: False))
+    monkeypatch.setattr(block_step, "lean_supported", lean_supported if lean else (lambda layer: False))
     model = random_transformer(D, 11).double()
     dec = model.decoder
     sample = make_sample(D, random_sentences(D, 1, 12, min_len=6, max_len=6))
@@ -181,22 +165,23 @@ def test_lone_row_without_masks_equals_masked_blocks(lean, monkeypatch):
     kept = [2, 1, 3, 1]  # slots each block keeps (the rest is a rejected draft)
     logits = {}
     for masked_path in (True, False):
-        state: dict = {}
+        cache = KVCache(model, 1)
+        state = cache.states[0]
         e = enc if masked_path else without_padding_mask([enc])[0]
         length, out = 0, []
         for i, (tokens, keep) in enumerate(zip(blocks, kept)):
             m = tokens.size(1)
             steps = length + torch.arange(m).unsqueeze(0)
-            ee = e if i == 0 else encoder_out_stand_in(model, 1, tokens.device)[0]
+            ee = e if i == 0 else stand_in(model, 1, tokens.device)[0]
             pad = torch.zeros(1, m, dtype=torch.bool) if masked_path else None
             out.append(forward_block(dec, tokens, steps, ee, state, pad))
-            total = block_step.cached_length(dec, state)
+            total = cache.length
             if masked_path:
                 mask = torch.zeros(1, total, dtype=torch.bool)
                 mask[0, total - m + keep:] = True
-                mask_slots(dec, state, mask)
+                cache.mask(mask)
             else:
-                truncate_slots(dec, state, total - m + keep)
+                cache.truncate(total - m + keep)
             length += keep
         logits[masked_path] = out
         buf = dec.layers[0].self_attn._get_input_buffer(state)
@@ -212,7 +197,7 @@ def test_merging_a_cache_without_masks_masks_its_padding():
                    "prev_key_padding_mask": None}}
     long = {"a": {"prev_key": torch.ones(2, 2, 5, 4), "prev_value": torch.ones(2, 2, 5, 4),
                   "prev_key_padding_mask": torch.tensor([[False] * 5, [False] * 4 + [True]])}}
-    merged = cat_incremental_states([short, long])["a"]
+    merged = cat_states([short, long])["a"]
     assert merged["prev_key"].shape == (3, 2, 5, 4)
     assert merged["prev_key_padding_mask"].tolist() == [[False] * 3 + [True] * 2, [False] * 5,
                                                         [False] * 4 + [True]]

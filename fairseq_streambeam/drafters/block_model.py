@@ -15,8 +15,8 @@ from typing import Any, List, Tuple
 import torch
 from torch import Tensor
 
-from ..runtime.block_step import cached_length, compact, keep_rows, truncate_slots
-from ..runtime.cache import cat_incremental_states, encoder_out_stand_in
+from ..runtime.block_step import BlockDecoder
+from ..runtime.kv_cache import KVCache, stand_in
 from ..runtime.lean_encoder import encode
 
 
@@ -28,14 +28,14 @@ class DraftGroup:
     rows: List[int]  # window rows (sources) in this group, in order
     pending: List[List[int]]  # accepted tokens not yet fed to the drafter, per row (starts as [BOS])
     fed: List[int]  # tokens fed so far per row = target position of the next fed token
-    state: dict = field(default_factory=dict)  # the drafter decoder's incremental state
+    cache: KVCache  # the drafter decoder's cache
     srcs: Any = None  # the window's sources (generators.common.Sources), to build the group from
     outs: List[List[int]] = field(default_factory=list)  # the rows' outputs (the generator's own lists)
 
     @property
     def built(self) -> bool:
-        """Sources encoded and prefixes cached (an empty incremental state: not yet, or dropped)."""
-        return bool(self.state)
+        """Sources encoded and prefixes cached (an empty cache: not yet, or dropped)."""
+        return self.cache.built
 
 
 class ModelDrafter:
@@ -50,13 +50,15 @@ class ModelDrafter:
         if block_size < 0:
             raise ValueError(f"--block-size must be >= 1 (or 0 = the drafter's trained size), got {block_size}")
         self.model = model
+        self.block = BlockDecoder(model.decoder)
         self.k = block_size or model.draft_block_size
         self.pad, self.bos, self.mask = tgt_dict.pad(), tgt_dict.eos(), tgt_dict.unk()
         self.max_pos = _max_target_positions(model)
         self.compact_slack = compact_slack
 
     def open(self, srcs, rows: List[int]) -> DraftGroup:
-        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), {}, srcs, [[] for _ in rows])
+        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), KVCache(self.model, len(rows)), srcs,
+                          [[] for _ in rows])
 
     def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
         n = len(g.pending)
@@ -88,11 +90,12 @@ class ModelDrafter:
         top = int(pos.max())
         pos = pos.to(dev)
         if g.built:
-            enc = encoder_out_stand_in(self.model, n, dev)[0]
+            enc = stand_in(self.model, n, dev)[0]
         else:  # the first pass of this group caches the cross-attention keys
             enc = encode(self.model.encoder, g.srcs.subset_input(g.rows))
-        logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.state, max_position=top)
-        truncate_slots(self.model.decoder, g.state, cached_length(self.model.decoder, g.state) - k)
+        logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.cache.states[0], max_position=top,
+                                         block=self.block)
+        g.cache.truncate(g.cache.length - k)
         for i, p in enumerate(g.pending):
             g.fed[i] += len(p)
         g.pending = [[] for _ in g.pending]
@@ -102,13 +105,13 @@ class ModelDrafter:
         g.outs = outs
         g.pending = self._unfed(outs, g.fed)
         real = max(g.fed) + 1
-        if cached_length(self.model.decoder, g.state) > 2 * real + self.compact_slack:
-            compact(self.model.decoder, g.state)
+        if g.cache.length > 2 * real + self.compact_slack:
+            g.cache.compact()
 
     def select(self, g: DraftGroup, keep: List[int]) -> DraftGroup:
         if g.built:
             dev = next(self.model.parameters()).device
-            keep_rows(self.model.decoder, g.state, torch.tensor(keep, dtype=torch.long, device=dev))
+            g.cache.select(torch.tensor(keep, dtype=torch.long, device=dev))
         g.rows = [g.rows[i] for i in keep]
         g.pending = [g.pending[i] for i in keep]
         g.fed = [g.fed[i] for i in keep]
@@ -124,14 +127,14 @@ class ModelDrafter:
         elif b.built and not a.built:
             self._feed(a, 0)
         if a.built:
-            a.state = cat_incremental_states([a.state, b.state])
+            a.cache = KVCache.cat([a.cache, b.cache])
         a.rows, a.pending, a.fed = a.rows + b.rows, a.pending + b.pending, a.fed + b.fed
         a.outs = a.outs + b.outs
         return a
 
     def _drop(self, g: DraftGroup) -> None:
         """Forget the group's cache: every row's whole prefix is pending again."""
-        g.state = {}
+        g.cache = KVCache(self.model, len(g.rows))
         g.fed = [0] * len(g.rows)
         g.pending = self._unfed(g.outs, g.fed)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -27,24 +28,14 @@ from torch import Tensor
 
 from ..drafters.base import Drafter
 from ..drafters.input_copy import InputCopyDrafter
-from ..runtime.block_step import (
-    cached_length,
-    check_block_decoder,
-    compact,
-    forward_block,
-    keep_rows,
-    roll_back,
-)
-from ..runtime.cache import (
-    cat_incremental_states,
-    check_vocabulary,
-    encoder_out_stand_in,
-    without_padding_mask,
-)
+from ..runtime.block_step import BlockDecoder, check_block_decoder
 from ..runtime.counters import Counters
 from ..runtime.draft_budget import DraftBudget, DraftSwitch
+from ..runtime.driver import Driver, Engine
+from ..runtime.kv_cache import KVCache, check_vocabulary, without_padding_mask
 from ..runtime.lean_encoder import forward_encoder
 from ..runtime.lean_layer import Slots
+from ..runtime.rows import Rows
 from ..runtime.scheduler import Budget, Scheduler
 from ..scorers.penalties import FairseqPenalties
 from .common import Sources
@@ -52,24 +43,32 @@ from .stream_beam import _max_source_positions
 
 
 @dataclass
-class Row:
-    """One live source: its window row, length limit and output so far."""
+class RowState(Rows):
+    """Per-row state: window row, length limit, output tokens and their log-probs so far."""
 
-    window_row: int
-    max_len: int
-    out: List[int] = field(default_factory=list)
-    lp: List[float] = field(default_factory=list)
+    window_row: List[int]
+    max_len: List[int]
+    out: List[List[int]]
+    lp: List[List[float]]
 
 
 class Group:
-    """Rows decoded in one batch: the verifier's incremental states (one per model) and the
-    drafter's state for the same rows."""
+    """Rows decoded in one batch: their state, the verifier's cache and the drafter's state for
+    the same rows."""
 
-    def __init__(self, rows: List[Row], n_models: int, encoder_outs, draft: Any):
+    def __init__(self, rows: RowState, cache: KVCache, draft: Any, serial: int):
         self.rows = rows
-        self.states = [{} for _ in range(n_models)]
-        self.encoder_outs = encoder_outs  # only until the first pass has cached cross-attention keys
+        self.cache = cache
         self.draft = draft
+        self.length = 0  # passes made
+        self.waited = 0
+        self.first_serial = serial
+
+    @property
+    def n_sources(self) -> int:
+        return len(self.rows.window_row)
+
+    n_candidates = n_sources
 
 
 class AggressiveGenerator(SequenceGenerator):
@@ -89,6 +88,7 @@ class AggressiveGenerator(SequenceGenerator):
                          symbols_to_strip_from_output=symbols_to_strip_from_output)
         for m in self.model.models:
             check_block_decoder(m.decoder)
+        self.blocks = [BlockDecoder(m.decoder) for m in self.model.models]
         check_vocabulary(self.model, tgt_dict)
         if beta < 1:
             raise ValueError(f"--gad-beta must be >= 1, got {beta}")
@@ -103,6 +103,7 @@ class AggressiveGenerator(SequenceGenerator):
         self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty,
                                           min_len=min_len, suppress=self.token_indices_to_suppress)
         self.scheduler = Scheduler("min-length", budget or Budget(), refill_eps)
+        self.driver = Driver(self.scheduler)
         self.max_source_positions = _max_source_positions(self.model)
         self.compact_slack = compact_slack
         self.counters = Counters()
@@ -117,29 +118,14 @@ class AggressiveGenerator(SequenceGenerator):
                                    self.max_source_positions)
         self.bos = self.eos if bos_token is None else bos_token
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(len(srcs))]
-        main: Optional[Group] = None
-        next_src, live_tokens = 0, 0
-        while next_src < len(srcs) or (main is not None and main.rows):
-            live = 0 if main is None else len(main.rows)
-            if next_src < len(srcs) and self.scheduler.should_refill(live, live_tokens):
-                take = self.scheduler.admit(live, live_tokens, srcs.lengths[next_src:])
-                new = list(range(next_src, next_src + take))
-                next_src += take
-                live_tokens += sum(srcs.lengths[i] for i in new)
-                group = self._admit(srcs, new)
-                live_tokens -= self._pass(group, results, srcs)  # the first pass fills its cache
-                if main is None or not main.rows:
-                    main = group
-                elif group.rows:
-                    main = self._merge(main, group)
-                continue
-            assert main is not None
-            live_tokens -= self._pass(main, results, srcs)
+        engine = Engine(admit=partial(self._admit, srcs), step=partial(self._pass, results=results, srcs=srcs),
+                        mergeable=lambda a, b: a.length > 0 and b.length > 0, merge=self._merge)
+        self.driver.run(engine, srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)
         self.counters.total_seconds += time.perf_counter() - t0
         return results
 
-    def _admit(self, srcs: Sources, new: List[int]) -> Group:
+    def _admit(self, srcs: Sources, new: List[int], serial: int) -> Group:
         t = time.perf_counter()
         enc = forward_encoder(self.model, srcs.subset_input(new))
         if enc is not None and len({srcs.lengths[i] for i in new}) == 1:
@@ -147,27 +133,28 @@ class AggressiveGenerator(SequenceGenerator):
         draft = self.drafter.open(srcs, new)
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
-        rows = [Row(i, srcs.max_lens[i]) for i in new]
-        return Group(rows, self.model.models_size, enc, draft)
+        rows = RowState(list(new), [srcs.max_lens[i] for i in new], [[] for _ in new], [[] for _ in new])
+        return Group(rows, KVCache(self.model, len(new), enc), draft, serial)
 
     def _merge(self, a: Group, b: Group) -> Group:
-        a.states = [cat_incremental_states([sa, sb]) for sa, sb in zip(a.states, b.states)]
+        a.cache = KVCache.cat([a.cache, b.cache])
         a.draft = self.drafter.merge(a.draft, b.draft)
-        a.rows = a.rows + b.rows
+        a.rows = RowState.cat([a.rows, b.rows])
+        a.waited, a.first_serial = 0, min(a.first_serial, b.first_serial)
         return a
 
-    def _pass(self, g: Group, results, srcs: Sources) -> int:
-        """One draft + verification pass over every row of `g`. Returns source tokens of finished rows."""
+    def _pass(self, g: Group, results, srcs: Sources) -> List[int]:
+        """One draft + verification pass over every row of `g`. Returns the window rows that finished."""
         dev = srcs.net_input["src_tokens"].device
-        n = len(g.rows)
-        outs = [r.out for r in g.rows]  # the rows' own lists: advance() below sees them extended
+        n = g.n_sources
+        outs = g.rows.out  # the rows' own lists: advance() below sees them extended
         # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
-        caps = [r.max_len - len(r.out) for r in g.rows]
+        caps = [cap - len(out) for cap, out in zip(g.rows.max_len, outs)]
         worth = self.draft_budget.cap(max(caps))
         switch = self.draft_switch
         if switch is not None and not switch.drafting(n):
             worth = 0
-        timed = g.encoder_outs is None  # a group's first pass also caches the encoder keys: not timed
+        timed = g.length > 0  # a group's first pass also caches the encoder keys: not timed
         caps = [min(c, worth) for c in caps]
         t = time.perf_counter()
         drafts, lens = self.drafter.propose(g.draft, outs, caps)
@@ -178,22 +165,23 @@ class AggressiveGenerator(SequenceGenerator):
         # the block's layout on the host (numpy: cheaper than a few small torch ops)
         arange = np.arange(m)
         pad_h = arange[None, :] > np.asarray(lens)[:, None]  # slot j > 0 holds draft token j - 1
-        steps_h = np.fromiter((len(r.out) for r in g.rows), np.int64, n)[:, None] + arange
-        at_max = steps_h >= np.fromiter((r.max_len for r in g.rows), np.int64, n)[:, None]
+        steps_h = np.fromiter((len(out) for out in outs), np.int64, n)[:, None] + arange
+        at_max = steps_h >= np.asarray(g.rows.max_len, dtype=np.int64)[:, None]
         padded = bool(pad_h.any())
         block_pad = torch.from_numpy(pad_h).to(dev) if padded else None  # None: every slot is real
-        last = torch.tensor([r.out[-1] if r.out else self.bos for r in g.rows], dtype=torch.long)
+        last = torch.tensor([out[-1] if out else self.bos for out in outs], dtype=torch.long)
         block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
         if block_pad is not None:
             block = block.masked_fill(block_pad, self.pad)
-        enc = g.encoder_outs if g.encoder_outs is not None else encoder_out_stand_in(self.model, n, dev)
+        enc = g.cache.decoder_inputs(torch.arange(n, device=dev))
         # top-1 verification computes only the real slots when the block has padding (rows with
         # shorter drafts); GAD++ reads the top-beta of every slot
         slots = None
         if self.beta == 1 and padded:
             slots = Slots.real(torch.from_numpy(pad_h), dev)
         best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, pad_h, steps_h, at_max, slots)
-        g.encoder_outs = None
+        g.cache.after_step()
+        g.length += 1
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.decoder_steps += 1
         self.counters.expansions += int(n * m) if slots is None else int(slots.index.numel())  # slots computed
@@ -202,42 +190,36 @@ class AggressiveGenerator(SequenceGenerator):
 
         matched = acc_h[:, 0].astype(int).tolist()
         draft_l, best_l, dlp_l, lp_l = draft_h.tolist(), best_h.tolist(), dlp_h.tolist(), lp_h.tolist()
-        done_rows, finished_tokens, produced = [], 0, 0
-        for i, r in enumerate(g.rows):
+        done_rows, produced = [], 0
+        for i, (out, lp) in enumerate(zip(outs, g.rows.lp)):
             j = matched[i]
             new = [int(x) for x in draft_l[i][:j]] + [int(best_l[i][j])]
             new_lp = dlp_l[i][:j] + [lp_l[i][j]]
             if self.eos in new:
                 k = new.index(self.eos) + 1
                 new, new_lp = new[:k], new_lp[:k]
-            r.out += new
-            r.lp += new_lp
+            out += new
+            lp += new_lp
             produced += len(new)
-            if r.out[-1] == self.eos:
+            if out[-1] == self.eos:
                 done_rows.append(i)
-                results[r.window_row] = [self._hypo(r, dev)]
-                finished_tokens += srcs.lengths[r.window_row]
+                results[g.rows.window_row[i]] = [self._hypo(out, lp, dev)]
         self.drafter.advance(g.draft, outs, matched)
         self.draft_budget.update(lens, matched)
-        for mdl, st in zip(self.model.models, g.states):  # drop the rejected slots
-            roll_back(mdl.decoder, st, [j + 1 for j in matched], m)
+        g.cache.rollback([j + 1 for j in matched], m)  # drop the rejected slots
+        done = [g.rows.window_row[i] for i in done_rows]
         if done_rows:
             done_set = set(done_rows)
             keep = [i for i in range(n) if i not in done_set]
-            idx = torch.tensor(keep, dtype=torch.long, device=dev)
-            for mdl, st in zip(self.model.models, g.states):
-                keep_rows(mdl.decoder, st, idx)
+            g.cache.select(torch.tensor(keep, dtype=torch.long, device=dev))
             g.draft = self.drafter.select(g.draft, keep)
-            g.rows = [g.rows[i] for i in keep]
-        if g.rows:
-            real = max(len(r.out) for r in g.rows)
-            if cached_length(self.model.models[0].decoder, g.states[0]) > 2 * real + self.compact_slack:
-                for mdl, st in zip(self.model.models, g.states):
-                    compact(mdl.decoder, st)
+            g.rows = g.rows.select(keep)
+        if g.n_sources and g.cache.length > 2 * max(len(out) for out in g.rows.out) + self.compact_slack:
+            g.cache.compact()
         self.counters.accepted_tokens += produced
         if switch is not None and timed:
             switch.record(d > 0, time.perf_counter() - t, produced)
-        return finished_tokens
+        return done
 
     def _verify(self, g: Group, enc, block: Tensor, block_pad: Optional[Tensor], pad_h: np.ndarray,
                 steps_h: np.ndarray, at_max: np.ndarray, slots: Optional[Slots]) -> np.ndarray:
@@ -335,16 +317,16 @@ class AggressiveGenerator(SequenceGenerator):
         the ensemble like fairseq."""
         outs = []
         for i, mdl in enumerate(self.model.models):
-            logits = forward_block(mdl.decoder, block, steps, enc[i], g.states[i], block_pad, max_position=max_step,
-                                   slots=slots)
+            logits = self.blocks[i](block, steps, enc[i], g.cache.states[i], block_pad, max_position=max_step,
+                                    slots=slots)
             logits = logits.div_(self.temperature) if self.temperature != 1.0 else logits
             outs.append(mdl.get_normalized_probs((logits, None), log_probs=True))
         lprobs = outs[0] if len(outs) == 1 else torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
         return lprobs.view(-1, lprobs.size(-1))
 
-    def _hypo(self, r: Row, dev) -> Dict[str, Tensor]:
-        pos = torch.tensor(r.lp, dtype=torch.float32, device=dev)  # on the model's device, as fairseq's output
+    def _hypo(self, out: List[int], lp: List[float], dev) -> Dict[str, Tensor]:
+        pos = torch.tensor(lp, dtype=torch.float32, device=dev)  # on the model's device, as fairseq's output
         total = pos.sum()
-        score = total / (len(r.out) ** self.len_penalty) if self.normalize_scores else total
-        return {"tokens": torch.tensor(r.out, device=dev), "score": score, "attention": torch.empty(0),
+        score = total / (len(out) ** self.len_penalty) if self.normalize_scores else total
+        return {"tokens": torch.tensor(out, device=dev), "score": score, "attention": torch.empty(0),
                 "alignment": torch.empty(0), "positional_scores": pos}

@@ -1,7 +1,7 @@
 """StreamBeamGenerator: fixed, variable-width (VAR-BATCH) and streaming (VAR-STREAM) beam search.
 
-The loop (see docs/design.md): the Scheduler admits sources and picks a cohort; the cohort's
-DecoderCache feeds one incremental decoder step; fairseq's penalties adjust the log-probs;
+The loop (see docs/design.md) is runtime.driver's: the Scheduler admits sources and picks a
+cohort; the cohort's KVCache feeds one incremental decoder step; fairseq's penalties adjust the log-probs;
 `rank_candidates` + the finalization rule + pruning decide what is final and what continues;
 beams and cache follow the back-pointers. Every source evolves independently of the others, so
 the schedule changes speed, never output. With the continuous order there is one cohort whose
@@ -11,11 +11,11 @@ over a cache whose rows are padded with masked slots.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -23,16 +23,12 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
-from ..runtime.block_step import block_decodable, cached_length, compact, forward_block, prime_encoder_keys
-from ..runtime.cache import (
-    DecoderCache,
-    check_incremental,
-    check_vocabulary,
-    encoder_out_stand_in,
-    transformer_decoders,
-)
+from ..runtime.block_step import BlockDecoder, block_decodable
 from ..runtime.counters import Counters
+from ..runtime.driver import Driver, Engine
+from ..runtime.kv_cache import KVCache, check_incremental, check_vocabulary, stand_in, transformer_decoders
 from ..runtime.lean_encoder import forward_encoder
+from ..runtime.rows import Rows
 from ..runtime.scheduler import RAGGED, Budget, Scheduler
 from ..scorers.base import ScorerStack
 from ..scorers.penalties import FairseqPenalties
@@ -87,72 +83,86 @@ class DecodeMode:
         return DecodeMode(decoding, pruning, finalize, policy)
 
 
-class Cohort:
-    """Live sources whose candidates all have `length` decoded tokens, with their beams and cache."""
+@dataclass
+class SourceState(Rows):
+    """Per-source state of a cohort, one entry per live source: window row, length limit, source
+    length (with EOS), tokens decoded (host, and a device copy when ragged), where its tokens sit in
+    the cohort's encoder positions (alignment), finished counts, best finished score, the best EOS
+    candidate neither final nor kept (the backoff of Iglesias et al. Alg. 1), forced prefix."""
 
-    def __init__(self, ids: List[int], max_len: List[int], src_len: np.ndarray, beams: Beams, cache: DecoderCache,
-                 prefix: Optional[Tensor], serial: int, device: torch.device, dtype: torch.dtype,
-                 ragged: bool = False):
-        self.ids = ids
-        self.max_len = max_len
-        self.src_len = src_len  # host: source length (with EOS) per source; width = encoder positions
-        self.src_width = int(src_len.max())
-        self.max_len_t = torch.tensor(max_len, device=device)
+    ids: List[int]
+    max_len: List[int]
+    src_len: np.ndarray
+    steps_h: np.ndarray
+    enc_start: np.ndarray
+    max_len_t: Tensor
+    n_final: Tensor
+    best_final: Tensor
+    lost_best: Tensor
+    steps_t: Optional[Tensor] = None
+    prefix: Optional[Tensor] = None
+
+    @staticmethod
+    def start(ids: List[int], max_len: List[int], src_len: np.ndarray, device, dtype, ragged: bool,
+              prefix: Optional[Tensor]) -> SourceState:
+        n = len(ids)
+        return SourceState(
+            ids=ids, max_len=max_len, src_len=src_len, steps_h=np.zeros(n, dtype=np.int64),
+            enc_start=np.zeros(n, dtype=np.int64), max_len_t=torch.tensor(max_len, device=device),
+            n_final=torch.zeros(n, dtype=torch.long, device=device),
+            best_final=torch.full((n,), -math.inf, dtype=dtype, device=device),
+            lost_best=torch.full((n,), -math.inf, dtype=dtype, device=device),
+            steps_t=torch.zeros(n, dtype=torch.long, device=device) if ragged else None, prefix=prefix)
+
+
+class Cohort:
+    """Live sources whose candidates all have `length` decoded tokens, with their beams and cache.
+    Ragged (continuous order): sources at different steps share the cohort; `length` is then the
+    furthest source's step, beams' tokens and cum are right-aligned (each row's last token in the
+    last column, padding on the left) and every row steps at its own position."""
+
+    def __init__(self, src: SourceState, beams: Beams, cache: KVCache, serial: int, ragged: bool = False):
+        self.src = src
         self.beams = beams
         self.cache = cache
-        self.prefix = prefix
-        self.length = 0  # tokens decoded by the cohort's furthest source (by every source unless ragged)
-        self.steps_h = np.zeros(len(ids), dtype=np.int64)  # host: tokens decoded per source
-        # ragged (continuous order): sources at different steps share the cohort; beams' tokens and
-        # cum are right-aligned (each row's last token in the last column, padding on the left) and
-        # the decoder steps every row at its own position, steps_t (a device copy of steps_h)
         self.ragged = ragged
-        self.steps_t = torch.zeros(len(ids), dtype=torch.long, device=device) if ragged else None
+        self.src_width = int(src.src_len.max())  # encoder positions
+        self.length = 0
         self.waited = 0
         self.first_serial = serial
-        self.n_final = torch.zeros(len(ids), dtype=torch.long, device=device)
-        self.best_final = torch.full((len(ids),), -math.inf, dtype=dtype, device=device)
-        # the backoff stack (Iglesias et al. Alg. 1): the best EOS candidate that was neither final nor
-        # kept, per source; used only if the source ends with no finished hypothesis
-        self.lost_best = torch.full((len(ids),), -math.inf, dtype=dtype, device=device)
-        self.backoff: Dict[int, Dict[str, Tensor]] = {}
+        self.backoff: Dict[int, Dict[str, Tensor]] = {}  # window row -> the backoff hypothesis
         self.live_h = np.ones(beams.rows, dtype=bool)  # host mirrors of beams.live / row lengths
         self.len_h = np.zeros(beams.rows, dtype=np.int64)
-        self.cache_src_h = np.arange(len(ids))  # cohort-local source of each decoder-cache row
-        # --print-alignment only: each candidate's attention history, where each source's tokens sit
-        # in the cohort's encoder positions, and the layout of the sample the sources came in
+        self.cache_src_h = np.arange(len(src))  # cohort-local source of each decoder-cache row
+        # --print-alignment only: each candidate's attention history and the sample's layout
         self.attn: Optional[Tensor] = None
-        self.enc_start = np.zeros(len(ids), dtype=np.int64)
         self.sample_width, self.left_pad = 0, True
+
+    @property
+    def n_sources(self) -> int:
+        return len(self.src.ids)
+
+    @property
+    def n_candidates(self) -> int:
+        return self.beams.rows
 
     @staticmethod
     def merge(a: Cohort, b: Cohort, pad: int = 1) -> Cohort:
         """b's sources appended to a's. Cohorts of different lengths merge only when ragged: the
         shorter one's tokens are left-padded with `pad` (its cum with 0) to the longer's width."""
         assert a.length == b.length or (a.ragged and b.ragged)
-        off = len(a.ids)  # b's sources follow a's
+        off = a.n_sources  # b's sources follow a's
         length = max(a.length, b.length)
         a.beams = Beams.cat([_widen(a.beams, length, pad), _widen(b.beams, length, pad)], [0, off])
         a.length = length
-        a.steps_h = np.concatenate([a.steps_h, b.steps_h])
-        if a.ragged:
-            a.steps_t = torch.cat([a.steps_t, b.steps_t])  # type: ignore[list-item]
-        a.cache = DecoderCache.cat([a.cache, b.cache])
-        a.ids = a.ids + b.ids
-        a.max_len = a.max_len + b.max_len
-        a.src_len = np.concatenate([a.src_len, b.src_len])
+        a.src = SourceState.cat([a.src, b.src])
+        a.cache = KVCache.cat([a.cache, b.cache])
         a.src_width = max(a.src_width, b.src_width)
-        a.max_len_t = torch.cat([a.max_len_t, b.max_len_t])
-        a.prefix = None if a.prefix is None else torch.cat([a.prefix, b.prefix])  # type: ignore[list-item]
-        a.n_final = torch.cat([a.n_final, b.n_final])
-        a.best_final = torch.cat([a.best_final, b.best_final])
-        a.lost_best = torch.cat([a.lost_best, b.lost_best])
         a.backoff.update(b.backoff)
         a.live_h = np.concatenate([a.live_h, b.live_h])
         a.len_h = np.concatenate([a.len_h, b.len_h])
         a.cache_src_h = np.concatenate([a.cache_src_h, b.cache_src_h + off])
         a.attn = None if a.attn is None else attention.cat(a.attn, b.attn)  # type: ignore[arg-type]
-        a.enc_start = np.concatenate([a.enc_start, b.enc_start])
         a.waited = 0
         a.first_serial = min(a.first_serial, b.first_serial)
         return a
@@ -223,8 +233,10 @@ class StreamBeamGenerator(SequenceGenerator):
             if why:
                 logger.info("--stream-order %s falls back to min-length: %s", policy, why)
                 policy = "min-length"
+        # rows at different steps go through the block step, one decoder call per cohort step
+        self.blocks = [BlockDecoder(m.decoder) for m in self.model.models] if policy in RAGGED else []
         self.scheduler = Scheduler(policy, budget or Budget(), refill_eps, max_wait)
-        self.width = float(self.pruning.beam_size) / 2  # candidates per live source, refined as it runs
+        self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
         self.penalties = FairseqPenalties(
             pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty, min_len=min_len,
             suppress=self.token_indices_to_suppress, no_repeat_ngram=no_repeat_ngram_size,
@@ -259,47 +271,19 @@ class StreamBeamGenerator(SequenceGenerator):
         # continuous order: one cohort of sources at different steps; prefix tokens are forced per
         # step of a whole cohort, so a call with them steps cohorts of one length (shortest first)
         ragged = self.scheduler.policy in RAGGED and prefix_tokens is None
-        cohorts: List[Cohort] = []
         # streaming admits sources shortest first, so cohorts (and their merges) pad little;
         # batch modes keep fairseq's batch as it is. Output is per window row either way.
         order = list(range(n_src))
         if self.mode.policy != "batch":
             order.sort(key=lengths.__getitem__)
-        next_src = 0
-        live_tokens = 0
-        while next_src < n_src or cohorts:
-            live = sum(len(c.ids) for c in cohorts)
-            cands = sum(c.beams.rows for c in cohorts)
-            if live:  # running estimate of candidates per source, for the candidate budget
-                self.width = 0.9 * self.width + 0.1 * (cands / live)
-            unstepped = not ragged and any(c.length == 0 for c in cohorts)
-            if next_src < n_src and not unstepped and self.scheduler.should_refill(live, live_tokens, cands):
-                pending = (lengths[i] for i in itertools.islice(order, next_src, None))
-                take = self.scheduler.admit(live, live_tokens, pending, cands, self.width)
-                if take:
-                    new = order[next_src: next_src + take]
-                    next_src += take
-                    live_tokens += sum(lengths[i] for i in new)
-                    cohort = self._admit(srcs, new, prefix_tokens, bos, device, serial=next_src, ragged=ragged)
-                    if ragged and cohorts:  # straight into the live batch: its first step is the next step
-                        cohorts[0] = Cohort.merge(cohorts[0], cohort, self.pad)
-                    else:
-                        cohorts.append(cohort)
-            i = self.scheduler.pick(cohorts)
-            c = cohorts[i]
-            for other in cohorts:
-                other.waited += 1
-            c.waited = 0
-            done_ids = self._step(c, results)
-            live_tokens -= sum(lengths[j] for j in done_ids)
-            if not c.ids:
-                cohorts.pop(i)
-            else:
-                for j, o in enumerate(cohorts):
-                    if o is not c and o.length == c.length and self.mergeable:
-                        cohorts[j] = Cohort.merge(o, c)
-                        cohorts.remove(c)
-                        break
+        engine = Engine(
+            admit=partial(self._admit, srcs, prefix_tokens=prefix_tokens, bos=bos, device=device, ragged=ragged),
+            step=partial(self._step, results=results),
+            mergeable=lambda a, b: self.mergeable and a.length == b.length,
+            merge=partial(Cohort.merge, pad=self.pad),
+            joins_live=ragged,
+        )
+        self.driver.run(engine, lengths, order)
 
         out = [self._sorted(r) for r in results]
         if self.print_alignment:
@@ -310,8 +294,8 @@ class StreamBeamGenerator(SequenceGenerator):
 
     # ---------------------------------------------------------------------------------------
 
-    def _admit(self, srcs: Sources, new: List[int], prefix_tokens: Optional[Tensor], bos: int, device,
-               serial: int, ragged: bool = False) -> Cohort:
+    def _admit(self, srcs: Sources, new: List[int], serial: int, prefix_tokens: Optional[Tensor], bos: int, device,
+               ragged: bool = False) -> Cohort:
         """Encode sources `new` (window rows) together and start their beams; `ragged`: cache
         their encoder keys now, so they can join a cohort of sources at other steps."""
         if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
@@ -327,26 +311,26 @@ class StreamBeamGenerator(SequenceGenerator):
         if prefix_tokens is not None:
             prefix = prefix_tokens if srcs.is_whole(new) else prefix_tokens.index_select(
                 0, torch.tensor(new, device=device))
-        cache = DecoderCache(self.model, enc, self.keep_encoder_out, len(new))
+        cache = KVCache(self.model, len(new), enc, self.keep_encoder_out)
         if ragged:
-            for m, state, e in zip(self.model.models, cache.states, enc):
-                prime_encoder_keys(m.decoder, state, e)
-            cache.after_step()  # the encoder keys are cached: outputs are no longer read
+            cache.prime(enc)  # the encoder keys are cached: outputs are no longer read
         src_len = np.array([srcs.lengths[i] for i in new])
-        cohort = Cohort(new, [srcs.max_lens[i] for i in new], src_len, beams, cache, prefix, serial, device, dtype,
-                        ragged)
+        sources = SourceState.start(new, [srcs.max_lens[i] for i in new], src_len, device, dtype, ragged, prefix)
+        cohort = Cohort(sources, beams, cache, serial, ragged)
         if srcs.is_whole(new):  # fairseq's own batch: its padded width
             cohort.src_width = srcs.net_input["src_tokens"].size(1)
         if self.print_alignment:
             cohort.attn = attention.start(len(new), device)
             cohort.sample_width, cohort.left_pad = srcs.net_input["src_tokens"].size(1), srcs.left_pad
-            cohort.enc_start = cohort.src_width - src_len if srcs.left_pad else np.zeros_like(src_len)
+            if srcs.left_pad:
+                sources.enc_start = cohort.src_width - src_len
         return cohort
 
     def _step(self, c: Cohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
         """One decoder step for cohort `c`: expand, rank, finalize, prune, reorder. Returns the
         window rows of sources that finished."""
-        L = c.length  # ragged: the furthest source's step; sources' own steps are c.steps_h / c.steps_t
+        L = c.length  # ragged: the furthest source's step; sources' own steps are s.steps_h / s.steps_t
+        s = c.src
         b = c.beams
         ragged = c.ragged
         all_live = bool(c.live_h.all())
@@ -371,7 +355,7 @@ class StreamBeamGenerator(SequenceGenerator):
         cnt.decoder_steps += 1
         cnt.expansions += rows
         cnt.padded_positions += rows * c.src_width
-        cnt.source_positions += int(c.src_len[c.cache_src_h].sum())
+        cnt.source_positions += int(s.src_len[c.cache_src_h].sum())
         if cnt.trace is not None:
             cnt.trace.append((L, rows, dt))
         c.cache.after_step()
@@ -379,30 +363,30 @@ class StreamBeamGenerator(SequenceGenerator):
         if ragged:
             lprobs = self._ragged_penalties(c, lprobs, row_src, tokens_in)
         else:
-            at_max = c.max_len_t.index_select(0, row_src) <= L if L >= min(c.max_len) else None
+            at_max = s.max_len_t.index_select(0, row_src) <= L if L >= min(s.max_len) else None
             prefix = None
-            if c.prefix is not None and L < c.prefix.size(1):
-                prefix = c.prefix[:, L].index_select(0, row_src)
+            if s.prefix is not None and L < s.prefix.size(1):
+                prefix = s.prefix[:, L].index_select(0, row_src)
             lprobs = self.penalties(lprobs, L, at_max, prefix, tokens_in)
         if self.scorer is not None:
             lprobs = self.scorer.score(lprobs, b.state if all_live else b.state.index_select(0, live_idx))
 
-        n_src = len(c.ids)
+        n_src = len(s)
         ranked = rank_candidates(b, lprobs, n_src, self.pruning, self.finalizer.ranked_per_source(),
                                  self.eos, self.pad)
-        final, keep = self.finalizer.decide(ranked, c.n_final)
+        final, keep = self.finalizer.decide(ranked, s.n_final)
         # masked_fill with a Python -inf, not torch.where with new_tensor(-inf): a new device tensor
         # from a host number is a host-to-device copy, which synchronizes on CUDA
         fin_best = ranked.scores.masked_fill(~final, -math.inf).max(1).values
-        best_final = torch.maximum(c.best_final, fin_best)
-        keep = self.pruning.threshold_keep(ranked.scores, keep, best_final)
-        n_final = c.n_final + final.sum(1)
-        done = (n_final >= self.finalizer.target) | ~keep.any(1) | (c.max_len_t <= (c.steps_t if ragged else L))
+        s.best_final = torch.maximum(s.best_final, fin_best)
+        keep = self.pruning.threshold_keep(ranked.scores, keep, s.best_final)
+        s.n_final = s.n_final + final.sum(1)
+        done = (s.n_final >= self.finalizer.target) | ~keep.any(1) | (s.max_len_t <= (s.steps_t if ragged else L))
         keep &= ~done.unsqueeze(1)
         lost = ranked.is_eos & ~final & ~keep
         lost_best, lost_rank = ranked.scores.masked_fill(~lost, -math.inf).max(1)
-        improved = lost_best > c.lost_best
-        c.lost_best = torch.maximum(c.lost_best, lost_best)
+        improved = lost_best > s.lost_best
+        s.lost_best = torch.maximum(s.lost_best, lost_best)
 
         # the one host sync of the step: what is final, what continues, which sources are done
         R = ranked.scores.size(1)
@@ -431,12 +415,12 @@ class StreamBeamGenerator(SequenceGenerator):
 
         fin_pos = np.flatnonzero(final_h)
         if fin_pos.size:
-            for row, hypo in self._hypotheses(c, ranked, fin_pos, parent_h, carried_h, R, L, child_attn(fin_pos)):
+            for row, hypo in self._hypotheses(c, ranked, fin_pos, parent_h, carried_h, R, child_attn(fin_pos)):
                 results[row].append(hypo)
         better = np.flatnonzero(improved_h)
         if better.size:
             pos = better * R + lost_rank_h[better]
-            for row, hypo in self._hypotheses(c, ranked, pos, parent_h, carried_h, R, L, child_attn(pos)):
+            for row, hypo in self._hypotheses(c, ranked, pos, parent_h, carried_h, R, child_attn(pos)):
                 c.backoff[row] = hypo
 
         kp = np.flatnonzero(keep_h)
@@ -457,44 +441,28 @@ class StreamBeamGenerator(SequenceGenerator):
             live=torch.from_numpy(new_live).to(dev),
             state=None if self.scorer is None else self.scorer.advance(b.state.index_select(0, par_t), tok),
         )
-        c.len_h = np.where(carried, c.len_h[parents], c.steps_h[kp // R] + 1)
+        c.len_h = np.where(carried, c.len_h[parents], s.steps_h[kp // R] + 1)
         row_src_old = (kp // R)[new_live]  # source of each new cache row, old numbering
         moved = not np.array_equal(row_src_old, c.cache_src_h)
         c.cache.reorder(torch.from_numpy(cache_row[parents[new_live]]).to(dev), sources_moved=moved)
         c.cache_src_h = new_src_of[row_src_old]
         c.live_h = new_live
 
-        done_ids = [c.ids[j] for j in np.flatnonzero(done_h)]
+        done_ids = [s.ids[j] for j in np.flatnonzero(done_h)]
         if done_ids:
-            for j in np.flatnonzero(done_h):
-                row = c.ids[j]
+            for row in done_ids:
                 if not results[row]:
                     self.counters.backoff_hypotheses += row in c.backoff
                     results[row].append(c.backoff.get(row) or self._empty_hypo(dev))
                 c.backoff.pop(row, None)
             keep_src = np.flatnonzero(survive)
-            ks = torch.from_numpy(keep_src).to(dev)
-            c.ids = [c.ids[j] for j in keep_src]
-            c.max_len = [c.max_len[j] for j in keep_src]
-            c.src_len = c.src_len[keep_src]
-            c.enc_start = c.enc_start[keep_src]
-            c.max_len_t = c.max_len_t.index_select(0, ks)
-            c.steps_h = c.steps_h[keep_src]
-            if ragged:
-                c.steps_t = c.steps_t.index_select(0, ks)  # type: ignore[union-attr]
-            n_final = n_final.index_select(0, ks)
-            best_final = best_final.index_select(0, ks)
-            c.lost_best = c.lost_best.index_select(0, ks)
-            if c.prefix is not None:
-                c.prefix = c.prefix.index_select(0, ks)
-            c.cache.select_sources(ks)
-        c.n_final = n_final
-        c.best_final = best_final
+            c.src = s = s.select(keep_src)
+            c.cache.select_sources(torch.from_numpy(keep_src).to(dev))
         c.length = L + 1
-        c.steps_h = c.steps_h + 1
+        s.steps_h = s.steps_h + 1
         if ragged:
-            c.steps_t = c.steps_t + 1  # type: ignore[operator]
-            if c.ids:
+            s.steps_t = s.steps_t + 1  # type: ignore[operator]
+            if len(s):
                 self._tidy_ragged(c)
         return done_ids
 
@@ -504,12 +472,13 @@ class StreamBeamGenerator(SequenceGenerator):
         prefix width), so the rows go through `forward_block` as blocks of one token over the
         cohort's cache; the scores are fairseq's `EnsembleModel.forward_decoder`'s (temperature,
         normalized log-probs, the ensemble's log-mean-exp)."""
-        positions = c.steps_t.index_select(0, row_src).unsqueeze(1)  # type: ignore[union-attr]
+        positions = c.src.steps_t.index_select(0, row_src).unsqueeze(1)  # type: ignore[union-attr]
         tokens = tokens_in[:, -1:]
-        stand_in = encoder_out_stand_in(self.model, tokens.size(0), tokens.device)
+        top = int(c.src.steps_h.max())
+        encs = stand_in(self.model, tokens.size(0), tokens.device)
         outs = []
-        for m, state, enc in zip(self.model.models, c.cache.states, stand_in):
-            logits = forward_block(m.decoder, tokens, positions, enc, state, None, max_position=int(c.steps_h.max()))
+        for m, block, state, enc in zip(self.model.models, self.blocks, c.cache.states, encs):
+            logits = block(tokens, positions, enc, state, None, max_position=top)
             if self.temperature != 1.0:
                 logits = logits.div_(self.temperature)
             outs.append(m.get_normalized_probs((logits, None), log_probs=True)[:, -1, :])
@@ -521,12 +490,13 @@ class StreamBeamGenerator(SequenceGenerator):
         """fairseq's per-step adjustments for rows at their sources' own steps: the length limit
         and the minimum length per row. The rows' prefixes are left-padded, which n-gram blocking
         never matches (padding is never a token of a prefix)."""
-        steps = c.steps_t.index_select(0, row_src)  # type: ignore[union-attr]
+        s = c.src
+        steps = s.steps_t.index_select(0, row_src)  # type: ignore[union-attr]
         at_max = None
-        if bool((c.steps_h >= np.asarray(c.max_len)).any()):
-            at_max = c.max_len_t.index_select(0, row_src) <= steps
-        short = int(c.steps_h.min()) < self.min_len
-        lprobs = self.penalties(lprobs, max(int(c.steps_h.min()), self.min_len), at_max, None, tokens_in)
+        if bool((s.steps_h >= np.asarray(s.max_len)).any()):
+            at_max = s.max_len_t.index_select(0, row_src) <= steps
+        short = int(s.steps_h.min()) < self.min_len
+        lprobs = self.penalties(lprobs, max(int(s.steps_h.min()), self.min_len), at_max, None, tokens_in)
         if short:  # no EOS before the minimum length, per row: an -inf write, like the others in any order
             lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(steps < self.min_len, -math.inf)
         return lprobs
@@ -535,18 +505,17 @@ class StreamBeamGenerator(SequenceGenerator):
         """After a ragged step: drop the token columns no source reaches any more (its furthest
         source finished), and the cache's masked self-attention slots once they are more than the
         longest row again plus a slack (`compact`; the longest row's slot count is known here)."""
-        top = int(c.steps_h.max())
+        top = int(c.src.steps_h.max())
         if top < c.length:
             b = c.beams
             c.beams = Beams(tokens=b.tokens[:, b.tokens.size(1) - top - 1:], cum=b.cum[:, b.cum.size(1) - top:],
                             src=b.src, live=b.live, state=b.state)
             c.length = top
-        if c.live_h.any() and cached_length(self.model.models[0].decoder, c.cache.states[0]) > 2 * top + COMPACT_SLACK:
-            for m, state in zip(self.model.models, c.cache.states):
-                compact(m.decoder, state, keep=top)
+        if c.live_h.any() and c.cache.length > 2 * top + COMPACT_SLACK:
+            c.cache.compact(keep=top)
 
     def _hypotheses(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
-                    carried_h: np.ndarray, R: int, L: int, attn: Optional[Tensor] = None):
+                    carried_h: np.ndarray, R: int, attn: Optional[Tensor] = None):
         """fairseq hypothesis dicts (tokens end with EOS) of ranked candidates at flat positions
         `fin_pos`, as (window row, hypothesis) pairs; `attn` [F, L + 1, S] their attention
         histories (--print-alignment), returned in the sample's layout."""
@@ -562,8 +531,9 @@ class StreamBeamGenerator(SequenceGenerator):
         pos = cum.clone()
         pos[:, 1:] = cum[:, 1:] - cum[:, :-1]
         src_of = fin_pos // R
-        lens = np.where(carried_h[fin_pos].astype(bool), c.len_h[parents], c.steps_h[src_of] + 1)
-        start = b.tokens.size(1) - 1 - c.steps_h[src_of]  # 0 unless ragged (right-aligned rows)
+        s = c.src
+        lens = np.where(carried_h[fin_pos].astype(bool), c.len_h[parents], s.steps_h[src_of] + 1)
+        start = b.tokens.size(1) - 1 - s.steps_h[src_of]  # 0 unless ragged (right-aligned rows)
         if self.normalize_scores:
             div = torch.tensor([float(n) ** self.len_penalty for n in lens], dtype=raw.dtype, device=dev)
             score = raw / div
@@ -571,10 +541,10 @@ class StreamBeamGenerator(SequenceGenerator):
             score = raw
         for j, p in enumerate(fin_pos):
             n, src, s0 = int(lens[j]), p // R, int(start[j])
-            yield c.ids[src], {
+            yield s.ids[src], {
                 "tokens": toks[j, s0:s0 + n], "score": score[j],
                 "attention": torch.empty(0) if attn is None else attention.in_sample_layout(
-                    attn[j, :n], int(c.enc_start[src]), int(c.src_len[src]), c.sample_width, c.left_pad),
+                    attn[j, :n], int(s.enc_start[src]), int(s.src_len[src]), c.sample_width, c.left_pad),
                 "alignment": torch.empty(0), "positional_scores": pos[j, s0:s0 + n],
             }
 

@@ -21,7 +21,7 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 from torch import Tensor
 
 from ..options import UsageError
-from ..runtime.block_step import forward_block
+from ..runtime.block_step import BlockDecoder
 
 logger = logging.getLogger("fairseq_streambeam")
 
@@ -55,11 +55,13 @@ class BlockDrafterModel(TransformerModel):
         return model
 
     def draft_logits(self, encoder_out, tokens: Tensor, positions: Tensor, block_pad: Tensor, k: int,
-                     state=None, max_position: Optional[int] = None) -> Tensor:
+                     state=None, max_position: Optional[int] = None, block: Optional[BlockDecoder] = None) -> Tensor:
         """Logits [N, k, V] at the last k slots (the mask slots) of the block `tokens` [N, m]
-        (`max_position`: see runtime.block_step.forward_block)."""
-        return forward_block(self.decoder, tokens, positions, encoder_out, state, block_pad, tail=k,
-                             logits_for_tail=True, max_position=max_position)
+        (`max_position`: see runtime.block_step.BlockDecoder; `block`: this model's decoder's
+        BlockDecoder, kept by a caller that drafts many times)."""
+        block = block or BlockDecoder(self.decoder)
+        return block(tokens, positions, encoder_out, state, block_pad, tail=k, logits_for_tail=True,
+                     max_position=max_position)
 
 
 def dictionary_sha(d) -> str:

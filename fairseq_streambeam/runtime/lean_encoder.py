@@ -14,7 +14,6 @@ less time per sentence (docs/benchmarks.md). Encoders with an option it does not
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -24,8 +23,6 @@ from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from torch import Tensor
 
 from .lean_layer import applies_dropout, feed_forward, layer_modules, linear, norm, plain_attention, plain_modules
-
-_SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def _layer_support(layer) -> bool:
@@ -41,18 +38,12 @@ def _layer_support(layer) -> bool:
 def supports_lean_encoder(encoder) -> bool:
     """True when `encode` computes what fairseq's forward computes for `encoder`: a standard
     transformer encoder in inference mode, no dropout applied at inference, no quant-noise."""
-    if encoder.training:
-        return False
-    hit = _SUPPORT.get(encoder)
-    if hit is None:
-        base = TransformerEncoderBase
-        hit = (isinstance(encoder, base)
-               and all(getattr(type(encoder), name) is getattr(base, name)
-                       for name in ("forward", "forward_scriptable", "forward_embedding"))
-               and encoder.quant_noise is None and all(_layer_support(layer) for layer in encoder.layers)
-               and not applies_dropout(encoder))
-        _SUPPORT[encoder] = hit
-    return hit
+    base = TransformerEncoderBase
+    return (not encoder.training and isinstance(encoder, base)
+            and all(getattr(type(encoder), name) is getattr(base, name)
+                    for name in ("forward", "forward_scriptable", "forward_embedding"))
+            and encoder.quant_noise is None and all(_layer_support(layer) for layer in encoder.layers)
+            and not applies_dropout(encoder))
 
 
 def encode(encoder, net_input: Dict[str, Tensor]) -> Dict[str, List[Tensor]]:

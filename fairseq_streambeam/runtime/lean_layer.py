@@ -9,7 +9,7 @@ row) that is a large share of a pass at small batch sizes (docs/benchmarks.md).
 `lean_layers` computes the same inference math from the layer's own modules, batch-major, and
 reads and writes fairseq's cache layout (MultiheadAttention input buffers: `prev_key` and
 `prev_value` [N, H, L, Dh], `prev_key_padding_mask` [N, L]), so every cache utility in
-runtime.cache and runtime.block_step works on either path. The attention masks are built once
+runtime.kv_cache works on either path. The attention masks are built once
 per block for all layers. Projections and layer norms are computed with F.linear and
 F.layer_norm on the modules' own weights (`linear`, `norm`): Module.__call__ costs a few
 microseconds, and a pass of a small model makes tens of these calls. Layers with an option it does
@@ -20,7 +20,6 @@ carry hooks, as quant-noise's do) keep fairseq's own forward.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Dict, Optional
 
 import torch
@@ -31,8 +30,6 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor, nn
 
 IncState = Dict[str, Dict[str, Optional[Tensor]]]
-
-_INFERENCE_DROPOUT: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def plain_attention(mha: Optional[MultiheadAttention]) -> bool:
@@ -73,16 +70,6 @@ def layer_modules(layer) -> tuple:
     return (*projections, layer.fc1, layer.fc2, *norms)
 
 
-_STATIC: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def _static_support(layer) -> bool:
-    hit = _STATIC.get(layer)
-    if hit is None:
-        hit = _STATIC[layer] = _layer_support(layer)
-    return hit
-
-
 def _layer_support(layer) -> bool:
     base = TransformerDecoderLayerBase
     return (isinstance(layer, base) and type(layer).forward is base.forward
@@ -94,22 +81,20 @@ def _layer_support(layer) -> bool:
             and plain_attention(layer.encoder_attn) and plain_modules(*layer_modules(layer)))
 
 
+def lean_supported(layer) -> bool:
+    """True when `lean_layers` computes what fairseq's forward computes for `layer` in inference
+    mode: a standard decoder layer, with no dropout applied at inference (`--retain-dropout`)."""
+    return _layer_support(layer) and not applies_dropout(layer)
+
+
 def supports_lean(layer) -> bool:
-    """True when `lean_layers` computes what fairseq's forward computes for `layer`: a standard
-    decoder layer in inference mode, with no dropout applied at inference (`--retain-dropout`).
-    The layer's structure is checked once per layer: modules swapped or hooks registered after a
-    layer's first pass are not seen."""
-    return not layer.training and _static_support(layer) and not applies_dropout(layer)
+    """`lean_supported`, and the layer is in inference mode."""
+    return not layer.training and lean_supported(layer)
 
 
 def applies_dropout(module: torch.nn.Module) -> bool:
-    """True when some FairseqDropout inside `module` drops at inference (`--retain-dropout`);
-    cached per module."""
-    dropout = _INFERENCE_DROPOUT.get(module)
-    if dropout is None:
-        dropout = any(isinstance(m, FairseqDropout) and m.p > 0 and m.apply_during_inference for m in module.modules())
-        _INFERENCE_DROPOUT[module] = dropout
-    return dropout
+    """True when some FairseqDropout inside `module` drops at inference (`--retain-dropout`)."""
+    return any(isinstance(m, FairseqDropout) and m.p > 0 and m.apply_during_inference for m in module.modules())
 
 
 class Slots:

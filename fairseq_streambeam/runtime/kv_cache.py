@@ -1,0 +1,403 @@
+"""KV cache: fairseq's incremental decoder state for a set of rows, one state per ensemble member.
+
+Beam search and draft-and-verify both keep their decoder state in a `KVCache`. Its rows may be at
+different lengths: a row's real prefix is its unmasked self-attention slots, and masked slots get
+exactly zero attention weight (fairseq's key padding mask). The operations:
+- rows: `reorder` (beam back-pointers), `select` (rows leave), `cat` (groups merge; shorter
+  buffers are padded with masked slots);
+- slots: `prime` (a new row's encoder keys, before its first step), `rollback` (rejected draft
+  slots), `truncate`, `compact` (drop masked slots), `trim_encoder` (encoder keys no row uses);
+- encoder outputs for decoders that read them every step (`decoder_inputs`, `select_sources`).
+
+fairseq adapter: this module is the only code that reads or writes fairseq's incremental-state
+dicts (transformer `MultiheadAttention` buffers `prev_key`/`prev_value` [N, H, L, d] and
+`prev_key_padding_mask` [N, L]); each fairseq behaviour it works around is named where it is.
+The decoder step itself appends a block's slots (fairseq's decoder or `block_step.BlockDecoder`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from fairseq.models import FairseqIncrementalDecoder
+from fairseq.modules.multihead_attention import MultiheadAttention
+from torch import Tensor
+
+IncState = Dict[str, Dict[str, Optional[Tensor]]]
+EncOut = Dict[str, List[Tensor]]
+
+
+class KVCache:
+    """Decoder state of a set of rows for `model` (a fairseq EnsembleModel, or one fairseq model).
+
+    `encoder_outs` holds one encoder output per member with one row per *source*; rows map to
+    sources through the caller's `row_src`. fairseq's transformer decoder caches its
+    encoder-attention keys in its state at the first step, so it needs the outputs only then
+    (`keep_encoder_out=False`: they are dropped by `after_step`); other decoders (LSTM, fconv)
+    read them every step.
+    """
+
+    def __init__(self, model, n_sources: int, encoder_outs: Optional[List[EncOut]] = None,
+                 keep_encoder_out: bool = False):
+        self.model = model
+        self.decoders = [m.decoder for m in getattr(model, "models", [model])]
+        self.states: List[IncState] = [{} for _ in self.decoders]
+        self.encoder_outs = encoder_outs
+        self.keep_encoder_out = keep_encoder_out
+        # counted here, not read off the encoder output: its layout is the encoder's own (fairseq's
+        # legacy EncoderOut tuples, LSTM tuples and custom encoders put the batch anywhere)
+        self.n_sources = n_sources
+        self.stepped = False
+
+    # ---- encoder side ----
+
+    def decoder_inputs(self, row_src: Tensor) -> List[EncOut]:
+        """Encoder outputs to hand the decoder for rows whose sources are `row_src`."""
+        if self.encoder_outs is None:
+            return stand_in(self.model, row_src.numel(), row_src.device)
+        if not self.stepped and row_src.numel() == self.n_sources:
+            return self.encoder_outs  # first step: one row per source, same order
+        # a shallow copy each: fairseq's FConvEncoder.reorder_encoder_out writes the reordered
+        # tensors into the dict it is given, which would turn the per-source outputs kept here
+        # into per-row ones
+        return self.model.reorder_encoder_out([copy.copy(e) for e in self.encoder_outs], row_src)
+
+    def after_step(self) -> None:
+        """The state now holds the encoder-attention keys: outputs are no longer needed."""
+        self.stepped = True
+        if not self.keep_encoder_out:
+            self.encoder_outs = None
+
+    def select_sources(self, keep: Tensor) -> None:
+        """Keep only source rows `keep` of the stored encoder outputs (finished sources leave)."""
+        self.n_sources = keep.numel()
+        if self.encoder_outs is not None:
+            self.encoder_outs = self.model.reorder_encoder_out(self.encoder_outs, keep)
+
+    # ---- rows ----
+
+    def reorder(self, rows: Tensor, sources_moved: bool = True) -> None:
+        """Keep rows `rows` (with repetition) of every buffer: follow beam back-pointers.
+
+        Encoder-attention buffers depend only on a row's source; when every new row i belongs to
+        the same source as old row i (`sources_moved=False`, e.g. fixed beams between finishes),
+        their copy is skipped: it is most of the reorder cost for wide beams."""
+        for dec, state in zip(self.decoders, self.states):
+            _reorder(dec, state, rows, sources_moved)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep rows `rows` (rows leaving a streaming group), and the encoder keys some kept row
+        still uses (`trim_encoder`). Keeping no row empties the cache."""
+        if rows.numel() == 0:
+            for state in self.states:
+                state.clear()
+            return
+        self.reorder(rows)
+        self.trim_encoder()
+
+    @staticmethod
+    def cat(caches: Sequence[KVCache]) -> KVCache:
+        """Rows of each cache in turn. Encoder keys are padded to the longest source, and
+        self-attention buffers of different lengths to the longest, with masked slots."""
+        first = caches[0]
+        out = KVCache(first.model, sum(c.n_sources for c in caches), None, first.keep_encoder_out)
+        out.stepped = all(c.stepped for c in caches)
+        out.states = [cat_states([c.states[i] for c in caches]) for i in range(len(first.states))]
+        if first.keep_encoder_out:
+            out.encoder_outs = [_cat_encoder_outs([c.encoder_outs[i] for c in caches])  # type: ignore[index]
+                                for i in range(len(first.decoders))]
+        return out
+
+    # ---- slots (transformer decoders) ----
+
+    @property
+    def built(self) -> bool:
+        """Some decoder step (or `prime`) has filled the cache."""
+        return bool(self.states[0])
+
+    @property
+    def length(self) -> int:
+        """Physical length of the self-attention cache (0 before the first step)."""
+        return cached_length(self.decoders[0], self.states[0])
+
+    def prime(self, encoder_outs: List[EncOut]) -> None:
+        """Cache new rows' encoder-attention keys without a decoder step, as fairseq's
+        MultiheadAttention caches them at its first step (static keys). The rows have no
+        self-attention slots yet, so this cache can join one whose rows are further along (`cat`
+        pads it with masked slots) and take its first step in the same call (per-row positions)."""
+        for dec, state, out in zip(self.decoders, self.states, encoder_outs):
+            enc = out["encoder_out"][0]  # [S, N, C]
+            enc_mask = out["encoder_padding_mask"][0] if len(out["encoder_padding_mask"]) else None
+            s, n = enc.size(0), enc.size(1)
+            for mha in _encoder_attn(dec):
+                h, d = mha.num_heads, mha.head_dim
+                k = mha.k_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
+                v = mha.v_proj(enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
+                mha._set_input_buffer(state, {"prev_key": k, "prev_value": v, "prev_key_padding_mask": enc_mask})
+        self.after_step()
+
+    def rollback(self, kept: List[int], m: int) -> None:
+        """After a block of m slots, keep the first kept[i] of row i's slots. A lone row's dropped
+        slots are the cache's tail, so they are cut off (its cache then never holds masked slots,
+        and attention needs no key mask); rows of a batch mask theirs."""
+        length = self.length
+        if len(kept) == 1:
+            self.truncate(length - m + kept[0])
+            return
+        masked = np.zeros((len(kept), length), dtype=bool)  # built on the host: a few small arrays
+        masked[:, length - m:] = np.arange(m)[None, :] >= np.asarray(kept)[:, None]
+        device = _self_attn(self.decoders[0])[0]._get_input_buffer(self.states[0])["prev_key"].device  # type: ignore[union-attr]
+        self.mask(torch.from_numpy(masked).to(device))
+
+    def mask(self, masked: Tensor) -> None:
+        """Mark self-attention slots `masked` [N, L] as padding."""
+        for dec, state in zip(self.decoders, self.states):
+            for mha in _self_attn(dec):
+                buf = mha._get_input_buffer(state)
+                old = buf.get("prev_key_padding_mask")
+                if old is None:
+                    old = torch.zeros_like(masked)
+                buf["prev_key_padding_mask"] = old.bool() | masked  # fairseq stores it as float after appending
+                mha._set_input_buffer(state, buf)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` self-attention slots of every row (a view, no copy)."""
+        for dec, state in zip(self.decoders, self.states):
+            for mha in _self_attn(dec):
+                buf = mha._get_input_buffer(state)
+                for name in ("prev_key", "prev_value"):
+                    buf[name] = buf[name][:, :, :length]
+                mask = buf.get("prev_key_padding_mask")
+                if mask is not None:
+                    buf["prev_key_padding_mask"] = mask[:, :length]
+                mha._set_input_buffer(state, buf)
+
+    def compact(self, keep: Optional[int] = None) -> None:
+        """Drop masked self-attention slots, keeping each row's valid slots in order (left-aligned).
+        `keep`: slots to keep per row when the caller knows, on the host, a bound at least the
+        largest count of a row's valid slots (saves a device-to-host sync); None counts them."""
+        for dec, state in zip(self.decoders, self.states):
+            mods = _self_attn(dec)
+            mask = mods[0]._get_input_buffer(state).get("prev_key_padding_mask")
+            if mask is None:
+                continue
+            mask = mask.bool()  # fairseq stores it as float after appending a block with padding
+            valid = ~mask
+            n_keep = int(valid.sum(1).max()) if keep is None else min(keep, mask.size(1))
+            order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices[:, :n_keep]  # valid slots first
+            new_mask = ~valid.gather(1, order)
+            for mha in mods:
+                buf = mha._get_input_buffer(state)
+                for name in ("prev_key", "prev_value"):
+                    t = buf[name]
+                    buf[name] = t.gather(2, order[:, None, :, None].expand(t.size(0), t.size(1), n_keep, t.size(3)))
+                buf["prev_key_padding_mask"] = new_mask
+                mha._set_input_buffer(state, buf)
+
+    def trim_encoder(self) -> None:
+        """Drop cached encoder-attention key columns that every row masks. Merged groups pad these
+        keys to their longest source, and rows leaving do not shrink them, so a streaming group
+        would attend over the longest source it ever held. One host sync: call it when rows leave."""
+        for dec, state in zip(self.decoders, self.states):
+            mods = _encoder_attn(dec)
+            buf0 = mods[0]._get_input_buffer(state) if mods else None
+            if not buf0 or buf0.get("prev_key") is None or buf0.get("prev_key_padding_mask") is None:
+                continue
+            used = ~buf0["prev_key_padding_mask"].bool().all(0)  # every layer caches the same source mask
+            if bool(used.all()):
+                continue
+            cols = used.nonzero().squeeze(1)
+            for mha in mods:
+                buf = mha._get_input_buffer(state)
+                for name in ("prev_key", "prev_value"):
+                    buf[name] = buf[name].index_select(2, cols)  # type: ignore[union-attr]
+                buf["prev_key_padding_mask"] = buf["prev_key_padding_mask"].index_select(1, cols)  # type: ignore[union-attr]
+                mha._set_input_buffer(state, buf)
+
+
+# --------------------------------------------------------------------------------------------
+# fairseq adapter functions
+# --------------------------------------------------------------------------------------------
+
+
+def check_incremental(model) -> None:
+    """Refuse models whose decoder cannot decode incrementally, and undo beamable attention.
+
+    fairseq's "beamable" encoder-decoder attention (`set_beam_size(k>1)`) stores encoder keys once
+    per sentence assuming exactly k rows each; variable-width beams break that assumption, so every
+    attention module is reset to beam_size 1 (the default).
+    """
+    for m in model.models:
+        if not isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder):
+            raise ValueError(f"fairseq_streambeam needs models with an incremental decoder; got {type(m).__name__}")
+        for mod in m.modules():
+            if isinstance(mod, MultiheadAttention) and mod.beam_size != 1:
+                mod.set_beam_size(1)
+
+
+def check_vocabulary(model, tgt_dict) -> None:
+    """A dictionary that does not match the checkpoint's output layer gives wrong ids silently."""
+    for m in model.models:
+        proj = getattr(m.decoder, "output_projection", None)
+        n_out = getattr(proj, "out_features", None)
+        if n_out is not None and n_out != len(tgt_dict):
+            raise ValueError(f"target dictionary has {len(tgt_dict)} entries but the model predicts {n_out}: "
+                             "the dictionary does not match the checkpoint")
+
+
+def transformer_decoders(model) -> bool:
+    """True when every decoder is fairseq's transformer decoder (TransformerDecoderBase). Its
+    incremental state is MultiheadAttention buffers that cache the encoder-attention keys, so
+    encoder outputs are needed at the first step only, and two caches can be merged by
+    `KVCache.cat`. Other decoders (LSTM, fconv, custom) get their encoder outputs reordered every
+    step through the model's own `reorder_encoder_out`, and their cohorts are never merged:
+    streaming steps them separately, with the same output and more steps."""
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    return all(isinstance(m.decoder, TransformerDecoderBase) for m in model.models)
+
+
+def without_padding_mask(outs: List[EncOut]) -> List[EncOut]:
+    """Encoder outputs of sources without padding, minus their (all-False) padding mask: fairseq's
+    attention then builds no key mask, which is the same attention (zero is added to no score)."""
+    return [{**o, "encoder_padding_mask": []} for o in outs]
+
+
+def stand_in(model, rows: int, device: torch.device) -> List[EncOut]:
+    """Encoder outputs for transformer decoders whose cross-attention keys are cached.
+
+    fairseq's TransformerDecoder skips cross-attention when `encoder_out` is empty, so it must get
+    a tensor; once `prev_key` is in the incremental state, MultiheadAttention(static_kv=True)
+    ignores that tensor and its padding mask and uses the cached keys and mask. A stride-0 view of
+    the right batch size avoids re-gathering [src_len, rows, dim] encoder states every step.
+    `model` is an EnsembleModel (one output per member) or a single fairseq model."""
+    outs = []
+    for m in getattr(model, "models", [model]):
+        dim = getattr(m.decoder, "embed_dim", 1)
+        dummy = torch.zeros(1, 1, dim, device=device).expand(1, rows, dim)
+        outs.append({"encoder_out": [dummy], "encoder_padding_mask": [], "encoder_embedding": [],
+                     "encoder_states": [], "src_tokens": [], "src_lengths": []})
+    return outs
+
+
+def cached_length(decoder, state: IncState) -> int:
+    """Physical length of `decoder`'s self-attention cache in `state` (0 before the first step)."""
+    buf = _self_attn(decoder)[0]._get_input_buffer(state)
+    return 0 if not buf or buf.get("prev_key") is None else buf["prev_key"].size(2)  # type: ignore[union-attr]
+
+
+def _self_attn(decoder) -> List[MultiheadAttention]:
+    return [layer.self_attn for layer in decoder.layers]
+
+
+def _encoder_attn(decoder) -> List[MultiheadAttention]:
+    return [layer.encoder_attn for layer in decoder.layers if getattr(layer, "encoder_attn", None) is not None]
+
+
+def _reorder(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor, encoder_attn: bool) -> None:
+    """Like fairseq's `reorder_incremental_state_scripting`, but correct for variable-width beams.
+
+    fairseq's MultiheadAttention.reorder_incremental_state returns early for encoder-decoder
+    attention when the row count is unchanged (it assumes fixed beams where those rows are
+    identical copies); with variable widths rows of different sources move, so its buffers are
+    index-selected here (or left alone when the caller knows no row changed source). Other
+    modules keep their own reorder.
+    """
+    for module in decoder.modules():
+        if isinstance(module, MultiheadAttention):
+            if module.encoder_decoder_attention and not encoder_attn:
+                continue
+            buf = module._get_input_buffer(state)
+            if buf:
+                for key, val in buf.items():
+                    if val is not None:
+                        buf[key] = val.index_select(0, rows)
+                module._set_input_buffer(state, buf)
+        elif hasattr(module, "reorder_incremental_state"):
+            module.reorder_incremental_state(state, rows)
+
+
+def cat_states(states: List[IncState]) -> IncState:
+    """MultiheadAttention buffers of several states, concatenated along the batch.
+
+    Buffers are right-padded to the longest: keys/values with zeros, the padding mask with True,
+    so padded positions get exactly zero attention weight. Encoder-attention buffers differ in
+    source length; self-attention buffers differ for rows at different steps. An entry missing
+    from a state (rows primed with their encoder keys only have no self-attention slots yet)
+    counts as no slots of that state's rows.
+    """
+    out: IncState = {}
+    keys = list(dict.fromkeys(key for s in states for key in s))
+    for key in keys:
+        bufs = [s[key] if key in s else _no_slots(s, states, key) for s in states]
+        if any(set(b) != set(bufs[0]) for b in bufs):
+            raise ValueError(f"incremental state entry {key!r} differs between cohorts")
+        merged: Dict[str, Optional[Tensor]] = {}
+        kv = [b.get("prev_key") for b in bufs]
+        if any(not isinstance(t, Tensor) or t.dim() != 4 for t in kv):
+            raise NotImplementedError(
+                "streaming needs decoders whose incremental state is fairseq MultiheadAttention "
+                f"buffers; entry {key!r} is not (use --decoding beam or var-batch)"
+            )
+        length = max(t.size(2) for t in kv)  # type: ignore[union-attr]
+        rows = [t.size(0) for t in kv]  # type: ignore[union-attr]
+        for name in bufs[0]:
+            ts = [b[name] for b in bufs]
+            if name == "prev_key_padding_mask":
+                if all(t is None for t in ts) and all(k.size(2) == length for k in kv):  # type: ignore[union-attr]
+                    merged[name] = None
+                    continue
+                ts = [  # no mask: none of that state's own keys is masked (its padding up to `length` is)
+                    torch.zeros(n, k.size(2), dtype=torch.bool, device=k.device) if t is None else t  # type: ignore[union-attr]
+                    for n, t, k in zip(rows, ts, kv)
+                ]
+                merged[name] = torch.cat([_pad(t.bool(), 1, length, True) for t in ts], 0)
+            elif all(isinstance(t, Tensor) and t.dim() == 4 for t in ts):
+                merged[name] = torch.cat([_pad(t, 2, length, 0) for t in ts], 0)  # type: ignore[arg-type]
+            else:
+                raise NotImplementedError(f"cannot merge incremental state field {name!r}")
+        out[key] = merged
+    return out
+
+
+def _no_slots(state: IncState, states: List[IncState], key: str) -> Dict[str, Optional[Tensor]]:
+    """A buffer `key` with no slots for the rows of `state` (which lacks it), shaped like the
+    other states' `key` buffers."""
+    like = next(s[key]["prev_key"] for s in states if key in s)
+    rows = {b["prev_key"].size(0) for b in state.values() if isinstance(b.get("prev_key"), Tensor)}
+    if len(rows) != 1:
+        raise NotImplementedError(f"incremental state entry {key!r} is missing from a state whose rows are unknown")
+    empty = like.new_zeros(rows.pop(), like.size(1), 0, like.size(3))  # type: ignore[union-attr]
+    return {"prev_key": empty, "prev_value": empty, "prev_key_padding_mask": None}
+
+
+def _cat_encoder_outs(outs: List[EncOut]) -> EncOut:
+    """fairseq transformer-style encoder outputs concatenated along the batch, time axis padded."""
+    length = max(o["encoder_out"][0].size(0) for o in outs)
+    merged: EncOut = {}
+    for key in outs[0]:
+        items = [o[key] for o in outs]
+        if all(len(x) == 0 for x in items):
+            merged[key] = []
+        elif key in ("encoder_out", "encoder_states"):  # [T, B, C]
+            merged[key] = [torch.cat([_pad(x[j], 0, length, 0) for x in items], 1) for j in range(len(items[0]))]
+        elif key == "encoder_padding_mask":  # [B, T]
+            merged[key] = [torch.cat([_pad(x[0], 1, length, True) for x in items], 0)]
+        elif key == "encoder_embedding":  # [B, T, C]
+            merged[key] = [torch.cat([_pad(x[0], 1, length, 0) for x in items], 0)]
+        elif key == "src_lengths":
+            merged[key] = [torch.cat([x[0] for x in items], 0)]
+        else:
+            merged[key] = []  # src_tokens etc. are not read by the decoder
+    return merged
+
+
+def _pad(t: Tensor, dim: int, length: int, value) -> Tensor:
+    if t.size(dim) == length:
+        return t
+    shape = list(t.shape)
+    shape[dim] = length - t.size(dim)
+    return torch.cat([t, t.new_full(shape, value)], dim)
