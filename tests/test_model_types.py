@@ -141,3 +141,17 @@ def test_ensemble_of_two_model_types():
     s = make_sample(D, random_sentences(D, 6, 5, max_len=8))
     kw = dict(beam_size=3, max_len_b=10)
     assert_same_hypos(fairseq_generate(models, D, s, **kw), ours(models, D, s, **kw)[0])
+
+
+def test_fconv_prepared_with_beamable_mm():
+    """fairseq-generate prepares fconv models with BeamableMM for --beam rows per source (unless
+    --no-beamable-mm); beams of any width must not use it."""
+    s = make_sample(D, random_sentences(D, 7, 6, max_len=9))
+    kw = dict(beam_size=4, max_len_b=12)
+    plain = [fconv_model(4)]
+    ref = fairseq_generate(plain, D, s, **kw)
+    var = ours(plain, D, s, decoding="var-batch", **kw)[0]
+    for decoding, want in (("beam", ref), ("fixed-stream", ref), ("var-stream", var)):
+        prepared = fconv_model(4)
+        prepared.make_generation_fast_(beamable_mm_beam_size=4)
+        assert_same_hypos(want, ours([prepared], D, s, decoding=decoding, budget=Budget(3), **kw)[0], msg=decoding)

@@ -227,15 +227,20 @@ def check_incremental(model) -> None:
     """Refuse models whose decoder cannot decode incrementally, and undo beamable attention.
 
     fairseq's "beamable" encoder-decoder attention (`set_beam_size(k>1)`) stores encoder keys once
-    per sentence assuming exactly k rows each; variable-width beams break that assumption, so every
-    attention module is reset to beam_size 1 (the default).
+    per sentence assuming exactly k rows each, and fconv's BeamableMM (set by fairseq-generate
+    unless --no-beamable-mm) multiplies as if every source had k rows; variable-width beams and
+    streamed cohorts break that assumption, so both are reset to their plain products.
     """
+    from fairseq.modules import BeamableMM
+
     for m in model.models:
         if not isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder):
             raise ValueError(f"fairseq_streambeam needs models with an incremental decoder; got {type(m).__name__}")
         for mod in m.modules():
             if isinstance(mod, MultiheadAttention) and mod.beam_size != 1:
                 mod.set_beam_size(1)
+            elif isinstance(mod, BeamableMM) and mod.beam_size is not None:
+                mod.set_beam_size(None)
 
 
 def check_vocabulary(model, tgt_dict) -> None:
