@@ -65,7 +65,8 @@ class StreamBeamConfig(TranslationConfig):
         default=None, metadata={"help": "LMBR n-gram posteriors (JSON lines by sentence id, from "
                                         "python -m fairseq_streambeam.scorers.build_posteriors)"})
     lmbr_lambda: Optional[float] = field(
-        default=None, metadata={"help": "LMBR: weight of the NMT log-probs (default 0.5 / number of models)"})
+        default=None, metadata={"help": "LMBR: weight of the NMT log-probs against the evidence (default 1 / "
+                                        "number of models); scores, and var-*'s delta, stay in NMT log-prob units"})
     lmbr_theta0: Optional[float] = field(
         default=None, metadata={"help": "LMBR: per-word constant Theta0 (default -1/T of Tromble et al.)"})
     lmbr_p: float = field(default=0.85, metadata={"help": "LMBR linear-BLEU precision p (Tromble et al. 2008)"})
@@ -211,6 +212,7 @@ def check_options(cfg, files: bool = True) -> None:
         ("stream_candidates", lambda v: v is None or v >= 1, ">= 1"),
         ("stream_window", lambda v: v >= 1, ">= 1"),
         ("max_wait_steps", lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("lmbr_lambda", lambda v: v is None or v > 0, "> 0"),
         ("lmbr_p", lambda v: 0 < v <= 1, "in (0, 1]"),
         ("lmbr_r", lambda v: 0 < v <= 1, "in (0, 1]"),
         ("iad_ngram", lambda v: v >= 1, ">= 1"),

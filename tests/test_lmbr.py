@@ -30,23 +30,26 @@ THETA = Theta(theta0=-0.5, theta=(1.0, 2.0, 3.0, 4.0))
 
 
 def test_hand_computed_scores_and_history_rows():
+    """Scores are lprob + (Theta0 + sum_n Theta_n P) / lambda: the paper's score divided by lambda."""
     post = {(4,): 0.9, (5,): 0.5, (4, 5): 0.4, (5, 4): 0.2, (4, 5, 6): 0.1}
     s = LMBRScorer({7: post}, THETA, lam=0.5, pad=PAD)
     st = s.start([7], torch.device("cpu"))
     lp = torch.zeros(1, len(D))
     lp[0, 9] = -math.inf
+    lp[0, 10] = -3.0
     out = s.score(lp, st)[0]
-    assert out[4].item() == pytest.approx(-0.5 + 0.9)  # Theta0 + Theta1 P(a)
+    assert out[4].item() == pytest.approx((-0.5 + 0.9) / 0.5)  # (Theta0 + Theta1 P(a)) / lambda
     assert out[5].item() == pytest.approx(0.0)
-    assert out[6].item() == pytest.approx(-0.5)  # (c,) only inside a 3-gram: P = 0
+    assert out[6].item() == pytest.approx(-0.5 / 0.5)  # (c,) only inside a 3-gram: P = 0
     assert out[9].item() == -math.inf
+    assert out[10].item() == pytest.approx(-3.0 - 0.5 / 0.5)  # the NMT log-prob is not scaled
     st = s.advance(st, torch.tensor([4]))  # history (a)
     out = s.score(torch.zeros(1, len(D)), st)[0]
-    assert out[5].item() == pytest.approx(-0.5 + 0.5 + 2 * 0.4)  # P(b) + P(a b)
+    assert out[5].item() == pytest.approx((-0.5 + 0.5 + 2 * 0.4) / 0.5)  # P(b) + P(a b)
     st = s.advance(st, torch.tensor([5]))  # history (a b)
     out = s.score(torch.zeros(1, len(D)), st)[0]
-    assert out[6].item() == pytest.approx(-0.5 + 3 * 0.1)  # only the trigram (a b c)
-    assert out[4].item() == pytest.approx(-0.5 + 0.9 + 2 * 0.2)  # P(a) + P(b a)
+    assert out[6].item() == pytest.approx((-0.5 + 3 * 0.1) / 0.5)  # only the trigram (a b c)
+    assert out[4].item() == pytest.approx((-0.5 + 0.9 + 2 * 0.2) / 0.5)  # P(a) + P(b a)
     assert s.advance(st, torch.tensor([PAD])).item() == st.item()  # a carried candidate keeps its row
     assert s.advance(st, torch.tensor([20])).item() == s.root_of[st].item()  # unseen word: back to the root
 
@@ -143,21 +146,121 @@ def test_lmbr_var_stream_equals_var_batch_and_alone():
 
 
 def test_zero_posteriors_reproduce_unscored_decoding():
-    for decoding in ("beam", "var-stream"):
+    """LMBR without evidence and Theta0 0 is unscored decoding at any lambda, with the same scores and
+    the same delta: lambda weighs the evidence, it does not rescale var-*'s pruning threshold."""
+    zero = Theta(0.0, (0.0,) * 4)
+    for decoding in ("beam", "var-batch", "var-stream"):
         plain = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3))[0]
-        zero = Theta(0.0, (0.0,) * 4)
-        same = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
-                    scorers=[_scorer(lam=1.0, theta=zero, zero=True)[0]])[0]
-        assert_same_hypos(plain, same, atol=0)
-        # lambda 0.5 halves every score: the same search when var-stream's absolute delta halves too
-        plain = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
-                     **({"delta": 1.5} if decoding == "var-stream" else {}))[0]
-        half = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
-                    scorers=[_scorer(lam=0.5, theta=zero, zero=True)[0]],
-                    **({"delta": 0.75} if decoding == "var-stream" else {}))[0]
-        for a, b in zip(plain, half):
-            assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
-            assert a[0]["score"].item() == pytest.approx(2 * b[0]["score"].item(), abs=1e-5)
+        for lam in (1.0, 0.5, 0.1):
+            same = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, budget=Budget(3),
+                        scorers=[_scorer(lam=lam, theta=zero, zero=True)[0]])[0]
+            assert_same_hypos(plain, same, atol=0, msg=f"{decoding} lambda {lam}")
+
+
+class _PaperScore:
+    """The paper's score, lambda * lprob + Theta0 + sum_n Theta_n P, as a scorer: lambda 1 (where
+    both scalings agree) on the log-probs times lambda."""
+
+    def __init__(self, lam: float):
+        self.lam, self.s = lam, _scorer(lam=1.0)[0]
+
+    def reset(self):
+        self.s.reset()
+
+    def start(self, ids, device):
+        return self.s.start(ids, device)
+
+    def score(self, lprobs, state):
+        return self.s.score(lprobs.mul_(self.lam), state)
+
+    def advance(self, state, tokens):
+        return self.s.advance(state, tokens)
+
+
+def _tokens(out):
+    return [[h["tokens"].tolist() for h in hypos] for hypos in out]
+
+
+@pytest.mark.parametrize("lam", [0.5, 2.0])
+def test_delta_prunes_in_nmt_log_prob_units(lam):
+    """var-* with LMBR at lambda and delta decodes as the paper's score (NMT weighed by lambda)
+    pruned at lambda * delta, with scores divided by lambda; pruning the paper's score at delta
+    itself is another search."""
+    kw = dict(beam_size=4, max_len_b=12, decoding="var-batch")
+    got = ours([MODEL], D, SAMPLE, delta=1.0, scorers=[_scorer(lam)[0]], **kw)[0]
+    paper = ours([MODEL], D, SAMPLE, delta=lam * 1.0, scorers=[_PaperScore(lam)], **kw)[0]
+    assert _tokens(got) == _tokens(paper)
+    for a, b in zip(got, paper):
+        assert a[0]["score"].item() == pytest.approx(b[0]["score"].item() / lam, abs=1e-5)
+    unscaled = ours([MODEL], D, SAMPLE, delta=1.0, scorers=[_PaperScore(lam)], **kw)[0]
+    assert _tokens(unscaled) != _tokens(got)
+
+
+def test_beam_output_does_not_depend_on_the_score_scale():
+    """Fixed beams only rank: the paper's score and the scorer's (divided by lambda) give one output."""
+    got = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, scorers=[_scorer(0.5)[0]])[0]
+    paper = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, scorers=[_PaperScore(0.5)])[0]
+    assert _tokens(got) == _tokens(paper)
+
+
+def test_lambda_must_be_positive():
+    from fairseq_streambeam.options import StreamBeamConfig, UsageError, check_options
+
+    with pytest.raises(ValueError, match="lmbr-lambda must be > 0"):
+        LMBRScorer({}, THETA, lam=0.0, pad=PAD)
+    with pytest.raises(UsageError, match="--lmbr-lambda must be > 0, got -1"):
+        check_options(StreamBeamConfig(lmbr_lambda=-1.0), files=False)
+
+
+def _task(tmp_path, **cfg):
+    from fairseq.tasks.translation import TranslationConfig
+
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    base = {f: getattr(TranslationConfig(), f) for f in ("train_subset",)}
+    return StreamBeamTranslationTask(StreamBeamConfig(**base, **cfg), D, D)
+
+
+@pytest.mark.parametrize("decoding,n_models", [("beam", 1), ("var-stream", 1), ("var-stream", 2)])
+def test_task_defaults_equal_the_scorer_given_directly(tmp_path, decoding, n_models):
+    """fairseq-generate's LMBR defaults (lambda 1 / number of models, Theta0 -1, delta 1.5) are what a
+    Python caller gets by handing the generator an LMBRScorer with that lambda."""
+    import argparse
+
+    _, posts = _scorer()
+    write_posteriors(tmp_path / "p.jsonl", posts)
+    task = _task(tmp_path, decoding=decoding, lmbr_posteriors=str(tmp_path / "p.jsonl"))
+    models = [MODEL] * n_models
+    gen = task.build_generator(models, argparse.Namespace(beam=4, nbest=1, max_len_b=12))
+    assert gen.scorer.scorers[0].lam == 1.0 / n_models
+    got = gen.generate(models, SAMPLE)
+    direct = LMBRScorer(posts, Theta.linear_bleu(), 1.0 / n_models, PAD)
+    want = ours(models, D, SAMPLE, beam_size=4, max_len_b=12, decoding=decoding, scorers=[direct])[0]
+    assert_same_hypos(want, got, atol=1e-5)
+
+
+def test_task_parses_posteriors_once_per_file_version(tmp_path, monkeypatch):
+    """A benchmark builds a generator per repeat: the file is parsed once, again only when it changes."""
+    import argparse
+    import os
+
+    import fairseq_streambeam.task as task_mod
+
+    calls = []
+    monkeypatch.setattr(task_mod, "load_posteriors", lambda path: calls.append(path) or load_posteriors(path))
+    path = tmp_path / "p.jsonl"
+    write_posteriors(path, {0: {(5,): 0.5}})
+    task = _task(tmp_path, decoding="beam", lmbr_posteriors=str(path))
+    args = argparse.Namespace(beam=2, nbest=1, max_len_b=4)
+    for _ in range(3):
+        task.build_generator([MODEL], args)
+    assert calls == [str(path)]
+    write_posteriors(path, {0: {(6,): 0.25, (7,): 0.5}})
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a new version even on a coarse clock
+    gen = task.build_generator([MODEL], args)
+    assert len(calls) == 2 and gen.scorer.scorers[0].posteriors == {0: {(6,): 0.25, (7,): 0.5}}
 
 
 def test_posteriors_from_nbest_and_file_round_trip(tmp_path):

