@@ -116,7 +116,7 @@ def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_to
                                    decoding: str = "beam") -> list[str]:
     """fairseq generation options that `decoding` does not implement (use --decoding fairseq).
     Refused too, rather than ignored: --score-reference (fairseq scores the reference instead of
-    decoding), --sampling-topk/--sampling-topp (they mean sampling), and --prefix-size for iad/gad."""
+    decoding) and --sampling-topk/--sampling-topp (they mean sampling)."""
     bad = []
     aggressive = str(decoding) in ("iad", "gad")
     checks = [
@@ -129,7 +129,6 @@ def unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_to
         ("match_source_len", lambda v: aggressive and bool(v), "--match-source-len"),
         ("constraints", lambda v: bool(v), "--constraints"),
         ("no_repeat_ngram_size", lambda v: aggressive and v is not None and v > 0, "--no-repeat-ngram-size"),
-        ("prefix_size", lambda v: aggressive and v is not None and v > 0, "--prefix-size"),
         ("print_alignment", lambda v: aggressive and bool(v), "--print-alignment"),
         ("lm_path", lambda v: aggressive and v is not None, "--lm-path"),
     ]

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from fairseq.sequence_generator import SequenceGenerator
 from helpers import (
     BIN,
     N_TEST,
@@ -138,8 +139,8 @@ def test_empty_source_and_refused_inputs():
     s = make_sample(D, [[], [5, 6]])
     out, _ = iad([m], s, max_len_b=6)
     assert all(h[0]["tokens"][-1].item() == D.eos() for h in out)
-    with pytest.raises(NotImplementedError, match="prefix"):
-        AggressiveGenerator([m], D).generate([m], s, prefix_tokens=torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="constraints"):
+        AggressiveGenerator([m], D).generate([m], s, constraints=torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         AggressiveGenerator([m], make_dict(31))
 
@@ -238,3 +239,28 @@ def test_forced_eos_not_allowed_asks_for_the_full_path():
     assert packed[0, 0].tolist()[1:] == [D.eos(), D.eos()]  # forced EOS wherever the limit is reached
     assert math.isnan(packed[1, 0, 1]) and packed[1, 0, 2] == lp[0, 2, D.eos()]
     assert packed[1, 0, 0] == lp[0, 0].max()
+
+
+@pytest.mark.parametrize("block", [0, 2])
+def test_prefix_tokens_equal_greedy_with_the_prefix(block):
+    """fairseq-generate's --prefix-size hands the generator the first target tokens, right-padded
+    (pad: not forced) and possibly ending in EOS; IAD forces them as fairseq's greedy decoding
+    does, also across refill and with the minimum length and suppressed tokens in play."""
+    m = random_transformer(D, 95, eos_bias=1.0).double()
+    sents = random_sentences(D, 9, 96, max_len=10)
+    s = make_sample(D, sents)
+    g = torch.Generator().manual_seed(97)
+    prefix = torch.randint(D.nspecial, len(D), (9, 4), generator=g)
+    prefix[1, 2:] = D.pad()  # a short target: the rest is free
+    prefix[2, 1] = D.eos()  # a target of one token: the output ends with it
+    prefix[2, 2:] = D.pad()
+    prefix[3] = torch.tensor(sents[3][:4] + [D.eos()] * 4)[:4]  # the draft agrees with the prefix
+    kw = dict(max_len_b=9, min_len=3)
+    suppress = [D.index("w7")]
+    ref = SequenceGenerator([m], D, beam_size=1, tokens_to_suppress=["w7"], **kw).generate(
+        [m], s, prefix_tokens=prefix)
+    for budget in (Budget(100), Budget(2)):
+        got = AggressiveGenerator([m], D, budget=budget, drafter=InputCopyDrafter(block_size=block), **kw)
+        got.penalties.suppress = torch.tensor(suppress)
+        assert_same_hypos(ref, got.generate([m], s, prefix_tokens=prefix), msg=f"{budget}")
+    assert ref[2][0]["tokens"].tolist() == prefix[2, :2].tolist()

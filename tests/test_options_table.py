@@ -260,7 +260,7 @@ YES_SETS = [
     (["--beam", "4", "--lenpen", "0.6", "--unkpen", "1.5", "--temperature", "0.8", "--min-len", "2",
       "--max-len-a", "0.5", "--max-len-b", "3"], DECODINGS),
     (["--beam", "4", "--unnormalized"], DECODINGS),
-    (["--beam", "4", "--prefix-size", "1"], COLUMNS[0]),
+    (["--beam", "4", "--prefix-size", "2"], DECODINGS),
 ]
 
 

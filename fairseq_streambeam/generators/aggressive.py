@@ -50,6 +50,7 @@ class RowState(Rows):
     max_len: List[int]
     out: List[List[int]]
     lp: List[List[float]]
+    prefix: Optional[List[List[int]]] = None  # forced first tokens (fairseq's prefix_tokens row; pad = free)
 
 
 class Group:
@@ -111,21 +112,23 @@ class AggressiveGenerator(SequenceGenerator):
     @torch.no_grad()
     def _generate(self, sample, prefix_tokens: Optional[Tensor] = None, constraints: Optional[Tensor] = None,
                   bos_token: Optional[int] = None):
-        if constraints is not None or prefix_tokens is not None:
-            raise NotImplementedError("aggressive decoding supports neither constraints nor prefix tokens")
+        if constraints is not None:
+            raise NotImplementedError("aggressive decoding does not support lexical constraints")
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self.pad, self.max_len_a, self.max_len_b, self.max_len, self.min_len,
                                    self.max_source_positions)
         self.bos = self.eos if bos_token is None else bos_token
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(len(srcs))]
-        engine = Engine(admit=partial(self._admit, srcs), step=partial(self._pass, results=results, srcs=srcs),
+        prefix = None if prefix_tokens is None else prefix_tokens.tolist()
+        engine = Engine(admit=partial(self._admit, srcs, prefix=prefix),
+                        step=partial(self._pass, results=results, srcs=srcs),
                         mergeable=lambda a, b: a.length > 0 and b.length > 0, merge=self._merge)
         self.driver.run(engine, srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)
         self.counters.total_seconds += time.perf_counter() - t0
         return results
 
-    def _admit(self, srcs: Sources, new: List[int], serial: int) -> Group:
+    def _admit(self, srcs: Sources, new: List[int], serial: int, prefix: Optional[List[List[int]]] = None) -> Group:
         t = time.perf_counter()
         enc = forward_encoder(self.model, srcs.subset_input(new))
         if enc is not None and len({srcs.lengths[i] for i in new}) == 1:
@@ -133,7 +136,8 @@ class AggressiveGenerator(SequenceGenerator):
         draft = self.drafter.open(srcs, new)
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
-        rows = RowState(list(new), [srcs.max_lens[i] for i in new], [[] for _ in new], [[] for _ in new])
+        rows = RowState(list(new), [srcs.max_lens[i] for i in new], [[] for _ in new], [[] for _ in new],
+                        None if prefix is None else [prefix[i] for i in new])
         return Group(rows, KVCache(self.model, len(new), enc), draft, serial)
 
     def _merge(self, a: Group, b: Group) -> Group:
@@ -179,7 +183,9 @@ class AggressiveGenerator(SequenceGenerator):
         slots = None
         if self.beta == 1 and padded:
             slots = Slots.real(torch.from_numpy(pad_h), dev)
-        best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, pad_h, steps_h, at_max, slots)
+        forced = self._forced_tokens(g.rows.prefix, steps_h)
+        best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, pad_h, steps_h, at_max, slots,
+                                                           forced)
         g.cache.after_step()
         g.length += 1
         self.counters.model_seconds += time.perf_counter() - t
@@ -221,8 +227,43 @@ class AggressiveGenerator(SequenceGenerator):
             switch.record(d > 0, time.perf_counter() - t, produced)
         return done
 
+    def _forced_tokens(self, prefix: Optional[List[List[int]]], steps_h: np.ndarray) -> Optional[np.ndarray]:
+        """Prefix token of every block slot [N, m] (slot j of row i predicts output position
+        steps_h[i, j]), -1 past the prefix window; None when no slot is inside it."""
+        if prefix is None or not (steps_h < len(prefix[0])).any():
+            return None
+        table = np.asarray(prefix, dtype=np.int64)  # [N, P], the rows' prefix_tokens
+        inside = steps_h < table.shape[1]
+        out = np.full(steps_h.shape, -1, dtype=np.int64)
+        rows = np.nonzero(inside)[0]
+        out[inside] = table[rows, steps_h[inside]]
+        return out
+
+    def _prefixed(self, lprobs: Tensor, steps: np.ndarray, at_max: np.ndarray, forced: np.ndarray) -> Tensor:
+        """fairseq's adjustments at slots of which some are inside the prefix window (host arrays
+        [S] of the slots computed): there fairseq forces the prefix token (unless it is pad, or the
+        slot is at the length limit) and skips the minimum length and suppressed tokens."""
+        dev = lprobs.device
+        pen = self.penalties
+        pen.fix_rows(lprobs, torch.from_numpy(at_max).to(dev) if at_max.any() else None)
+        pen.fix_columns(lprobs, 0, free=False)  # pad and the unk penalty everywhere
+        free = forced < 0
+        before = free & (steps < self.min_len)
+        if before.any():
+            lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(torch.from_numpy(before).to(dev), -math.inf)
+        if pen.suppress is not None and free.any():
+            lprobs[torch.from_numpy(np.flatnonzero(free)).to(dev).unsqueeze(1), pen.suppress] = -math.inf
+        hit = np.flatnonzero(~free & (forced != self.pad) & ~at_max)
+        if hit.size:
+            idx, tok = torch.from_numpy(hit).to(dev), torch.from_numpy(forced[hit]).to(dev)
+            chosen = lprobs[idx, tok]
+            lprobs[idx] = -math.inf
+            lprobs[idx, tok] = chosen
+        return lprobs
+
     def _verify(self, g: Group, enc, block: Tensor, block_pad: Optional[Tensor], pad_h: np.ndarray,
-                steps_h: np.ndarray, at_max: np.ndarray, slots: Optional[Slots]) -> np.ndarray:
+                steps_h: np.ndarray, at_max: np.ndarray, slots: Optional[Slots],
+                forced: Optional[np.ndarray] = None) -> np.ndarray:
         """Verify block [N, m] (host padding `pad_h`, `steps_h` and `at_max` [N, m]); returns, on
         the host, the arrays of `_accept`. Top-1 verification first applies only fairseq's column
         adjustments (a few columns) and reads forced EOS off the EOS column; the passes over every
@@ -233,6 +274,9 @@ class AggressiveGenerator(SequenceGenerator):
         real = ~pad_h.reshape(-1) if slots is not None else slice(None)
         steps_d = torch.from_numpy(steps_h).to(dev)
         lprobs = self._verify_lprobs(block, steps_d, block_pad, enc, g, int(steps_h.max()), slots)
+        if forced is not None:  # slots inside the prefix window: every adjustment, then the plain acceptance
+            flat = [a.reshape(-1)[real] for a in (steps_h, at_max, forced)]
+            return self._accept(self._prefixed(lprobs, *flat), block, pad_h)
         if int(steps_h.min()) < self.min_len:
             before = steps_d.view(-1) < self.min_len
             self.penalties.fix_columns(lprobs, 0, before if slots is None else before.index_select(0, slots.index))
