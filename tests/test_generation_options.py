@@ -275,3 +275,33 @@ def test_print_alignment_deen_tiny_matches_fairseq():
     kw = dict(beam_size=5, max_len_b=40)
     ref = fairseq_with_alignment(models, d, s, "hard", **kw)
     assert_same_attention(ref, ours(models, d, s, print_alignment="hard", **kw)[0])
+
+
+def _deen_tiny_sample(rows):
+    models, task = load_checkpoints(shared_path("models", "deen-tiny", "checkpoint_best.pt"),
+                                    data=shared_path("models", "deen-tiny", "data-bin"))
+    task.load_dataset("test")
+    ds = task.dataset("test")
+    return models, task.target_dictionary, ds, ds.collater([ds[i] for i in rows])
+
+
+def test_lm_fusion_deen_tiny_matches_fairseq():
+    """deen-tiny with a language model over its target dictionary (random weights: no LM was
+    trained for it), fused as fairseq fuses --lm-path."""
+    models, d, _, s = _deen_tiny_sample(range(0, 240, 20))
+    lm = random_lm(d, 21)
+    kw = dict(beam_size=5, max_len_b=40, lm_model=lm, lm_weight=0.3)
+    ref = SequenceGenerator(models, d, **kw).generate(models, s)
+    plain = SequenceGenerator(models, d, beam_size=5, max_len_b=40).generate(models, s)
+    assert any(a[0]["tokens"].tolist() != b[0]["tokens"].tolist() for a, b in zip(ref, plain)), "the LM should matter"
+    assert_same_hypos(ref, ours(models, d, s, **kw)[0])
+
+
+def test_match_source_len_deen_tiny_matches_fairseq_per_source():
+    models, d, ds, s = _deen_tiny_sample(range(3, 240, 20))
+    kw = dict(beam_size=5, max_len_b=40, match_source_len=True)
+    got = ours(models, d, s, **kw)[0]
+    assert_same_hypos(got, ours(models, d, s, decoding="fixed-stream", budget=Budget(3), **kw)[0])
+    for hypos, i in zip(got, s["id"].tolist()):
+        ref = SequenceGenerator(models, d, **kw).generate(models, ds.collater([ds[i]]))
+        assert_same_hypos(ref, [hypos])
