@@ -227,6 +227,8 @@ class StreamBeamGenerator(SequenceGenerator):
         self.mode = DecodeMode.resolve(decoding, self.beam_size, delta, max_cands, finalize, stream_order)
         self.pruning = self.mode.pruning
         self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, finish_count, nbest)
+        # fixed beams under fairseq's rule rank ties in fairseq's order (search/beam_state.py)
+        self.rank_like_fairseq = self.pruning.is_fixed and self.mode.finalize == "fairseq"
         policy = self.mode.policy
         if policy in RAGGED:
             why = _no_ragged_steps(self.model, lm_model, print_alignment)
@@ -373,7 +375,7 @@ class StreamBeamGenerator(SequenceGenerator):
 
         n_src = len(s)
         ranked = rank_candidates(b, lprobs, n_src, self.pruning, self.finalizer.ranked_per_source(),
-                                 self.eos, self.pad)
+                                 self.eos, self.pad, self.rank_like_fairseq)
         final, keep = self.finalizer.decide(ranked, s.n_final)
         # masked_fill with a Python -inf, not torch.where with new_tensor(-inf): a new device tensor
         # from a host number is a host-to-device copy, which synchronizes on CUDA

@@ -69,20 +69,36 @@ def rank_candidates(
     ranked: int,
     eos: int,
     pad: int,
+    like_fairseq: bool = False,
 ) -> Ranked:
     """Rank each source's candidates: children of live rows (at most M per parent) and, for
     finished rows, the row itself carried over unchanged (token `pad`).
 
     Two stages: top-c children per parent ([N_live, V] -> [N_live, c]), then top-R over the
     source's parents ([B, k*c]); the top-R set equals that of one top-k over all parents x vocab.
+    `like_fairseq` (fixed beams, fairseq's rule): when every source has one live row (first step)
+    or k, rank with fairseq's own call instead (BeamSearch.step: one top-R over each source's
+    rows x vocabulary), so that equal scores come in fairseq's order. topk orders ties
+    arbitrarily, and ties are common in half precision (log-probs of rounded logits); the two
+    stages would pick other tied candidates than fairseq.
     """
     k = pruning.beam_size
     c = pruning.children_per_parent(ranked, live_lprobs.size(1))
+    r = min(ranked, k * c)
     score = beams.score()
     n = beams.rows
     device = score.device
     all_live = live_lprobs.size(0) == n
     live_score = score if all_live else score[beams.live]
+    vocab = live_lprobs.size(1)
+    per = n // n_sources if n_sources else 0  # live rows of each source, when all sources have as many
+    if like_fairseq and all_live and per in (1, k) and per * n_sources == n and c >= r and r < per * vocab:
+        scores, idx = (live_lprobs + live_score.unsqueeze(1)).view(n_sources, per * vocab).topk(r, dim=1)
+        parent = torch.arange(n_sources, device=device).unsqueeze(1) * per + idx // vocab
+        token = idx % vocab
+        valid = scores > -math.inf
+        return Ranked(scores=scores, parent=parent, token=token, valid=valid, is_eos=valid & (token == eos),
+                      carried=valid & (token == pad))
     top_s, top_t = (live_lprobs + live_score.unsqueeze(1)).topk(c, dim=1)
     if all_live:
         child_s, child_t = top_s, top_t
@@ -102,7 +118,6 @@ def rank_candidates(
     flat = ((beams.src * k + slot) * c).unsqueeze(1) + torch.arange(c, device=device)
     grid = score.new_full((n_sources * k * c,), -math.inf)
     grid[flat.view(-1)] = child_s.reshape(-1)
-    r = min(ranked, k * c)
     scores, idx = grid.view(n_sources, k * c).topk(r, dim=1)
     parent = (starts.unsqueeze(1) + idx // c).clamp_(max=max(n - 1, 0))
     token = child_t.view(-1)[(parent * c + idx % c).view(-1)].view(n_sources, r)
