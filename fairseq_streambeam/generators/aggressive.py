@@ -308,7 +308,10 @@ class AggressiveGenerator(SequenceGenerator):
             return self._accept_beta(lprobs, block, torch.as_tensor(np.asarray(block_pad), device=block.device))
         n, m = block.shape
         pad = np.asarray(block_pad, dtype=bool)
-        best_lp, best = lprobs.max(dim=1)  # NaN propagates into best_lp
+        # the top-1 of fairseq's greedy search, its BeamSearch.step's top-2: equal log-probs (frequent
+        # in half precision) come in topk's order, not max's (the lowest id); a NaN comes first
+        top_lp, top = lprobs.topk(min(2, lprobs.size(1) - 1), dim=1)
+        best_lp, best = top_lp[:, 0], top[:, 0]
         dtype = torch.promote_types(lprobs.dtype, torch.float32)
         parts = [best.to(dtype), best_lp.to(dtype), block.reshape(-1).to(dtype)]
         if forced_eos is not None:
