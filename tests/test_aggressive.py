@@ -58,13 +58,13 @@ class OracleDrafter(InputCopyDrafter):
     def start(self, src):
         return CopyState(src, 0)
 
-    def draft(self, st, batched=False):
+    def draft(self, st, batched=False, cap=None):
         out_len = st.pos
         t = self.truth[tuple(st.src)][out_len:]
-        return [w if (out_len + i) % 5 != 4 else 4 for i, w in enumerate(t)]
+        return [w if (out_len + i) % 5 != 4 else 4 for i, w in enumerate(t)][:cap]
 
-    def update(self, st, draft, matched, output):
-        st.pos = len(output)
+    def update(self, st, accepted):
+        st.pos += len(accepted)
 
 
 def test_long_accepts_and_rollbacks_with_compaction():
@@ -104,11 +104,13 @@ def test_drafter_realigns_on_a_unique_ngram():
     dr = InputCopyDrafter(ngram=2, block_size=3)
     st = dr.start([5, 6, 7, 8, 9, 5, 2])
     assert dr.draft(st) == [5, 6, 7]
-    dr.update(st, [5, 6, 7], 1, [5, 11])  # bifurcation after 5: (5, 11) is not in the source
+    dr.update(st, [5, 11])  # bifurcation after 5: (5, 11) is not in the source
     assert st.pos is None and dr.draft(st) == []
-    dr.update(st, [], 0, [5, 11, 7, 8])  # (7, 8) occurs once: copy from 9 on
-    assert dr.draft(st) == [9, 5, 2]
-    dr.update(st, [9, 5, 2], 0, [5, 11, 7, 8, 5])  # (8, 5) does not occur: lost again
+    dr.update(st, [7])  # (11, 7) is not in the source either
+    assert st.pos is None and dr.draft(st) == []
+    dr.update(st, [8])  # (7, 8) occurs once: copy from 9 on
+    assert dr.draft(st) == [9, 5, 2] and dr.draft(st, cap=2) == [9, 5]
+    dr.update(st, [5])  # (8, 5) does not occur: lost again
     assert st.pos is None
     with pytest.raises(ValueError, match="iad-ngram"):
         InputCopyDrafter(ngram=0)
@@ -122,14 +124,16 @@ def test_batched_rows_draft_from_a_guessed_edit():
     not repeated."""
     dr = InputCopyDrafter(ngram=2, block_size=3)
     st = dr.start([5, 6, 7, 8, 9, 10, 2])
-    dr.update(st, dr.draft(st, batched=True), 1, [5, 11])  # 11 replaced 6: resume at 7
+    dr.draft(st, batched=True)
+    dr.update(st, [5, 11])  # 11 replaced 6: resume at 7
     assert st.pos is None and dr.draft(st) == [] and dr.draft(st, batched=True) == [7, 8, 9]
-    dr.update(st, [7, 8, 9], 2, [5, 11, 7, 8, 12])  # the guess held for 2 tokens, then 12 replaced 9
+    dr.update(st, [7, 8, 12])  # the guess held for 2 tokens, then 12 replaced 9
     assert dr.draft(st, batched=True) == [10, 2]
-    dr.update(st, [10, 2], 0, [5, 11, 7, 8, 12, 13])  # failed at once: no new guess
+    dr.update(st, [13])  # failed at once: no new guess
     assert dr.draft(st, batched=True) == []
     st = dr.start([5, 6, 7, 8, 9, 10, 2])
-    dr.update(st, dr.draft(st, batched=True), 1, [5, 7])  # 6 deleted: resume after 7
+    dr.draft(st, batched=True)
+    dr.update(st, [5, 7])  # 6 deleted: resume after 7
     assert dr.draft(st, batched=True) == [8, 9, 10]
     assert InputCopyDrafter(guess_edits=False).draft(st, batched=True) == []
 

@@ -61,12 +61,40 @@ def test_gad_ensemble_equals_greedy():
     assert_same_hypos(ref, gad(models, s, random_drafter(D, 23).double(), n=3, max_len_b=10)[0])
 
 
+class Scribbling(ModelDrafter):
+    """Writes over every list the generator hands it once it has read them (the accepted tokens,
+    the caps): the generator's own state must not depend on them."""
+
+    def propose(self, g, caps):
+        out = super().propose(g, caps)
+        caps[:] = [0] * len(caps)
+        return out
+
+    def advance(self, g, accepted):
+        super().advance(g, accepted)
+        for acc in accepted:
+            acc[:] = [7, 7, 7]
+
+
+def test_drafters_keep_no_reference_to_the_generators_lists():
+    """Drafters get their tokens through `advance` and keep their own copies (they used to share
+    the generator's output lists)."""
+    m = random_transformer(D, 40).double()
+    s = make_sample(D, random_sentences(D, 8, 41))
+    ref = fairseq_generate([m], D, s, beam_size=1, max_len_b=12)
+    gen = AggressiveGenerator([m], D, drafter=Scribbling(random_drafter(D, 42).double(), D, 3), budget=Budget(3),
+                              max_len_b=12)
+    got = gen.generate([m], s)
+    assert_same_hypos(ref, got)
+    assert gen.counters.accepted_tokens == sum(len(h[0]["tokens"]) for h in got)
+
+
 class Recording(ModelDrafter):
     """Keeps (source row, row output so far, draft) for every row of every pass."""
 
-    def propose(self, g, outs, caps):
-        drafts, lens = super().propose(g, outs, caps)
-        self.seen += [(src, list(o), drafts[i].tolist()) for i, (src, o) in enumerate(zip(g.rows, outs))]
+    def propose(self, g, caps):
+        drafts, lens = super().propose(g, caps)
+        self.seen += [(src, list(o), drafts[i].tolist()) for i, (src, o) in enumerate(zip(g.rows, g.outs))]
         return drafts, lens
 
 
@@ -453,11 +481,11 @@ class SlowDrafter(ModelDrafter):
 
     calls = 0
 
-    def propose(self, g, outs, caps):
+    def propose(self, g, caps):
         if max(caps, default=0) > 0:
             SlowDrafter.calls += 1
             time.sleep(0.02)
-        return super().propose(g, outs, caps)
+        return super().propose(g, caps)
 
 
 def test_gad_goes_without_a_drafter_that_costs_more_than_it_brings():

@@ -1,6 +1,6 @@
 """The drafter interface of aggressive decoding: what AggressiveGenerator asks of IAD's input copy
 and GAD's block drafter model. A drafter keeps one opaque state per group of rows decoded together
-and must follow the group's row changes (rows leaving, groups merging)."""
+and follows the group's row changes (rows leaving, groups merging)."""
 
 from __future__ import annotations
 
@@ -21,16 +21,19 @@ def pad_drafts(drafts: List[List[int]], pad: int, device) -> Tuple[Tensor, List[
 
 
 class Drafter(Protocol):
+    """Drafters see only what they are given: a row's source at `open` and the tokens it accepted
+    after each pass. Whatever of the output they need (a tail, a count, the whole prefix) they
+    keep in their own state; the generator's lists are never shared with them."""
+
     def open(self, srcs, rows: List[int]) -> Any:
         """State for window rows `rows` of `srcs` (a generators.common.Sources) entering decoding."""
 
-    def propose(self, state: Any, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
-        """Drafts [N, d] (on the model's device, padded) and their lengths, each at most caps[i],
-        given the output so far of each row."""
+    def propose(self, state: Any, caps: List[int]) -> Tuple[Tensor, List[int]]:
+        """Drafts [N, d] (on the model's device, padded) and their lengths, each at most caps[i]."""
 
-    def advance(self, state: Any, outs: List[List[int]], matched: List[int]) -> None:
-        """After verification: row i accepted matched[i] draft tokens plus one verifier token; its
-        output is now outs[i]."""
+    def advance(self, state: Any, accepted: List[List[int]]) -> None:
+        """After verification: the tokens row i accepted in this pass, its accepted draft tokens
+        then the verifier's token (cut after EOS: such a row leaves at once)."""
 
     def select(self, state: Any, keep: List[int]) -> Any:
         """Keep rows `keep` (in that order)."""

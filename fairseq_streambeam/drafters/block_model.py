@@ -30,7 +30,7 @@ class DraftGroup:
     fed: List[int]  # tokens fed so far per row = target position of the next fed token
     cache: KVCache  # the drafter decoder's cache
     srcs: Any = None  # the window's sources (generators.common.Sources), to build the group from
-    outs: List[List[int]] = field(default_factory=list)  # the rows' outputs (the generator's own lists)
+    outs: List[List[int]] = field(default_factory=list)  # the rows' outputs so far (to rebuild the cache)
 
     @property
     def built(self) -> bool:
@@ -60,7 +60,7 @@ class ModelDrafter:
         return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), KVCache(self.model, len(rows)), srcs,
                           [[] for _ in rows])
 
-    def propose(self, g: DraftGroup, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+    def propose(self, g: DraftGroup, caps: List[int]) -> Tuple[Tensor, List[int]]:
         n = len(g.pending)
         dev = next(self.model.parameters()).device
         if max(caps, default=0) <= 0:  # nothing to draft: no drafter pass (the pending tokens wait)
@@ -101,9 +101,10 @@ class ModelDrafter:
         g.pending = [[] for _ in g.pending]
         return logits
 
-    def advance(self, g: DraftGroup, outs: List[List[int]], matched: List[int]) -> None:
-        g.outs = outs
-        g.pending = self._unfed(outs, g.fed)
+    def advance(self, g: DraftGroup, accepted: List[List[int]]) -> None:
+        for out, pending, acc in zip(g.outs, g.pending, accepted):
+            out += acc
+            pending += acc
         real = max(g.fed) + 1
         if g.cache.length > 2 * real + self.compact_slack:
             g.cache.compact()
@@ -136,11 +137,7 @@ class ModelDrafter:
         """Forget the group's cache: every row's whole prefix is pending again."""
         g.cache = KVCache(self.model, len(g.rows))
         g.fed = [0] * len(g.rows)
-        g.pending = self._unfed(g.outs, g.fed)
-
-    def _unfed(self, outs: List[List[int]], fed: List[int]) -> List[List[int]]:
-        """Each row's tokens BOS y1..yt from the first one not fed to the drafter yet."""
-        return [([self.bos] + out)[f:] for out, f in zip(outs, fed)]
+        g.pending = [[self.bos] + out for out in g.outs]
 
 
 def _max_target_positions(model) -> int:

@@ -4,7 +4,7 @@ last `ngram` tokens occur exactly once in the source (a unique-substring match).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from torch import Tensor
@@ -17,6 +17,7 @@ class CopyState:
     src: List[int]  # source tokens including its EOS, so a draft can end the output
     pos: Optional[int] = 0  # next source position to copy from; None = not aligned
     last: Optional[List[int]] = None  # the draft of the pass being verified
+    tail: List[int] = field(default_factory=list)  # the output's last `ngram` tokens (realignment)
     guess: Optional[int] = None  # unaligned: where the source probably continues after the last edit
     from_guess: bool = False  # the draft being verified was copied from `guess`
 
@@ -48,15 +49,13 @@ class InputCopyDrafter:
         self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
         return [self.start(srcs.tokens(i)) for i in rows]
 
-    def propose(self, state: List[CopyState], outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
-        drafts = [self.draft(st, batched=len(state) > 1)[:cap] for st, cap in zip(state, caps)]
-        for st, d in zip(state, drafts):
-            st.last = d
+    def propose(self, state: List[CopyState], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        drafts = [self.draft(st, batched=len(state) > 1, cap=cap) for st, cap in zip(state, caps)]
         return pad_drafts(drafts, self.pad, self.device)
 
-    def advance(self, state: List[CopyState], outs: List[List[int]], matched: List[int]) -> None:
-        for st, j, out in zip(state, matched, outs):
-            self.update(st, st.last or [], j, out)
+    def advance(self, state: List[CopyState], accepted: List[List[int]]) -> None:
+        for st, acc in zip(state, accepted):
+            self.update(st, acc)
 
     def select(self, state: List[CopyState], keep: List[int]) -> List[CopyState]:
         return [state[i] for i in keep]
@@ -70,43 +69,49 @@ class InputCopyDrafter:
         m = self.vocab_map
         return CopyState(list(src) if m is None else [m[i] for i in src], 0)
 
-    def draft(self, st: CopyState, batched: bool = False) -> List[int]:
-        """The source from the aligned position. An unaligned row in a batch drafts from its guess
-        instead: its slots are paid for anyway (the block is as wide as the widest draft), while a
-        lone row would pay for them, so it drafts nothing until an n-gram realigns it."""
+    def draft(self, st: CopyState, batched: bool = False, cap: Optional[int] = None) -> List[int]:
+        """The source from the aligned position, at most `cap` tokens; it is the draft `update`
+        then checks. An unaligned row in a batch drafts from its guess instead: its slots are paid
+        for anyway (the block is as wide as the widest draft), while a lone row would pay for them,
+        so it drafts nothing until an n-gram realigns it."""
         pos, st.from_guess = st.pos, False
         if pos is None and batched and self.guess_edits and st.guess is not None:
             pos, st.from_guess = st.guess, True
         if pos is None:
-            return []
-        cap = self.block_size or (AUTO_BATCHED_BLOCK if batched else 0)
-        end = len(st.src) if not cap else min(len(st.src), pos + cap)
-        return st.src[pos:end]
+            st.last = []
+            return st.last
+        size = self.block_size or (AUTO_BATCHED_BLOCK if batched else 0)
+        end = len(st.src) if not size else min(len(st.src), pos + size)
+        st.last = st.src[pos:end][:cap]
+        return st.last
 
-    def update(self, st: CopyState, draft: List[int], matched: int, output: List[int]) -> None:
-        """After a pass that accepted `matched` draft tokens plus one model token (the last of
-        `output`): keep copying if that token continues the source, else realign by n-gram."""
+    def update(self, st: CopyState, accepted: List[int]) -> None:
+        """After a pass that accepted `accepted` (the accepted draft tokens, then one model token):
+        keep copying if the model's token continues the source, else realign by n-gram."""
+        draft, matched, last = st.last or [], len(accepted) - 1, accepted[-1]
+        st.tail = (st.tail + accepted)[-self.ngram:]
         start = st.guess if st.from_guess else st.pos
         if start is not None and matched == len(draft):
             nxt = start + matched
-            if nxt < len(st.src) and output and output[-1] == st.src[nxt]:
+            if nxt < len(st.src) and last == st.src[nxt]:
                 st.pos, st.guess = nxt + 1, None
                 return
-        st.pos = self._realign(st.src, output)
+        st.pos = self._realign(st.src, st.tail)
         # where the source probably resumes: the model's token replaced source token b (or deleted
         # it, if it equals the next one); a guess that failed at once is not guessed again
         st.guess = None
         if st.pos is None and start is not None and not (st.from_guess and matched == 0):
             b = start + matched
-            if b + 1 < len(st.src) and output and output[-1] == st.src[b + 1]:
+            if b + 1 < len(st.src) and last == st.src[b + 1]:
                 st.guess = b + 2 if b + 2 < len(st.src) else None
             elif b + 1 < len(st.src):
                 st.guess = b + 1
 
-    def _realign(self, src: List[int], output: List[int]) -> Optional[int]:
-        n = min(self.ngram, len(output))
+    def _realign(self, src: List[int], tail: List[int]) -> Optional[int]:
+        """Where the source continues after `tail` (the output's last tokens), if they occur
+        exactly once in it."""
+        n = len(tail)
         if n == 0:
             return None
-        tail = output[-n:]
         hits = [i for i in range(len(src) - n + 1) if src[i:i + n] == tail]
         return hits[0] + n if len(hits) == 1 else None

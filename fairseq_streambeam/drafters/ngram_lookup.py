@@ -91,28 +91,29 @@ class NgramTable:
 
 
 class LookupDrafter:
-    """Drafter (drafters.base interface) over an `NgramTable`; stateless per row."""
+    """Drafter (drafters.base interface) over an `NgramTable`; its state is each row's output."""
 
     def __init__(self, table: NgramTable, bos: int, eos: int, block_size: int = LOOKUP_BLOCK):
         if block_size < 1:
             raise ValueError(f"--block-size must be >= 1 with --draft-lookup, got {block_size}")
         self.table, self.bos, self.eos, self.block_size = table, bos, eos, block_size
 
-    def open(self, srcs, rows: List[int]) -> List[None]:
+    def open(self, srcs, rows: List[int]) -> List[List[int]]:
         self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
-        return [None] * len(rows)
+        return [[] for _ in rows]
 
-    def propose(self, state: List[None], outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
-        return pad_drafts([self.draft(out, min(cap, self.block_size)) for out, cap in zip(outs, caps)],
+    def propose(self, state: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        return pad_drafts([self.draft(out, min(cap, self.block_size)) for out, cap in zip(state, caps)],
                           self.pad, self.device)
 
-    def advance(self, state: List[None], outs: List[List[int]], matched: List[int]) -> None:
-        pass
+    def advance(self, state: List[List[int]], accepted: List[List[int]]) -> None:
+        for out, acc in zip(state, accepted):
+            out += acc
 
-    def select(self, state: List[None], keep: List[int]) -> List[None]:
+    def select(self, state: List[List[int]], keep: List[int]) -> List[List[int]]:
         return [state[i] for i in keep]
 
-    def merge(self, a: List[None], b: List[None]) -> List[None]:
+    def merge(self, a: List[List[int]], b: List[List[int]]) -> List[List[int]]:
         return a + b
 
     def draft(self, out: List[int], k: int) -> List[int]:

@@ -16,20 +16,21 @@ from .base import pad_drafts
 class NoDrafter:
     """Drafts nothing: every pass verifies only the row's last token (greedy decoding, one token per pass)."""
 
-    def open(self, srcs, rows: List[int]) -> None:
+    def open(self, srcs, rows: List[int]) -> int:
         self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+        return len(rows)  # the state: how many rows
 
-    def propose(self, state, outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
-        return pad_drafts([[] for _ in outs], self.pad, self.device)
+    def propose(self, state: int, caps: List[int]) -> Tuple[Tensor, List[int]]:
+        return pad_drafts([[] for _ in range(state)], self.pad, self.device)
 
-    def advance(self, state, outs, matched) -> None:
+    def advance(self, state: int, accepted: List[List[int]]) -> None:
         pass
 
-    def select(self, state, keep: List[int]) -> None:
-        return None
+    def select(self, state: int, keep: List[int]) -> int:
+        return len(keep)
 
-    def merge(self, a, b) -> None:
-        return None
+    def merge(self, a: int, b: int) -> int:
+        return a + b
 
 
 class OracleDrafter:
@@ -42,15 +43,16 @@ class OracleDrafter:
         self.k = block_size
 
     def open(self, srcs, rows: List[int]) -> List[List[int]]:
+        """The state: each row's known output not produced yet."""
         self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
-        return [self.truth[tuple(srcs.tokens(i))] for i in rows]
+        return [list(self.truth[tuple(srcs.tokens(i))]) for i in rows]
 
-    def propose(self, state: List[List[int]], outs: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
-        drafts = [t[len(o):len(o) + min(self.k, c)] for t, o, c in zip(state, outs, caps)]
-        return pad_drafts(drafts, self.pad, self.device)
+    def propose(self, state: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        return pad_drafts([rest[:min(self.k, c)] for rest, c in zip(state, caps)], self.pad, self.device)
 
-    def advance(self, state, outs, matched) -> None:
-        pass
+    def advance(self, state: List[List[int]], accepted: List[List[int]]) -> None:
+        for rest, acc in zip(state, accepted):
+            del rest[:len(acc)]
 
     def select(self, state: List[List[int]], keep: List[int]) -> List[List[int]]:
         return [state[i] for i in keep]

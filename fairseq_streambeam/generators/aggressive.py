@@ -151,7 +151,7 @@ class AggressiveGenerator(SequenceGenerator):
         """One draft + verification pass over every row of `g`. Returns the window rows that finished."""
         dev = srcs.net_input["src_tokens"].device
         n = g.n_sources
-        outs = g.rows.out  # the rows' own lists: advance() below sees them extended
+        outs = g.rows.out
         # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
         caps = [cap - len(out) for cap, out in zip(g.rows.max_len, outs)]
         worth = self.draft_budget.cap(max(caps))
@@ -161,7 +161,7 @@ class AggressiveGenerator(SequenceGenerator):
         timed = g.length > 0  # a group's first pass also caches the encoder keys: not timed
         caps = [min(c, worth) for c in caps]
         t = time.perf_counter()
-        drafts, lens = self.drafter.propose(g.draft, outs, caps)
+        drafts, lens = self.drafter.propose(g.draft, caps)
         self.counters.draft_seconds += time.perf_counter() - t
         d = max(lens, default=0)
         drafts = drafts[:, :d]  # a drafter may draft more than the caps allow: those slots are not verified
@@ -177,7 +177,7 @@ class AggressiveGenerator(SequenceGenerator):
         block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
         if block_pad is not None:
             block = block.masked_fill(block_pad, self.pad)
-        enc = g.cache.decoder_inputs(torch.arange(n, device=dev))
+        enc = g.cache.source_inputs(dev)
         # top-1 verification computes only the real slots when the block has padding (rows with
         # shorter drafts); GAD++ reads the top-beta of every slot
         slots = None
@@ -196,7 +196,7 @@ class AggressiveGenerator(SequenceGenerator):
 
         matched = acc_h[:, 0].astype(int).tolist()
         draft_l, best_l, dlp_l, lp_l = draft_h.tolist(), best_h.tolist(), dlp_h.tolist(), lp_h.tolist()
-        done_rows, produced = [], 0
+        done_rows, accepted = [], []
         for i, (out, lp) in enumerate(zip(outs, g.rows.lp)):
             j = matched[i]
             new = [int(x) for x in draft_l[i][:j]] + [int(best_l[i][j])]
@@ -206,11 +206,12 @@ class AggressiveGenerator(SequenceGenerator):
                 new, new_lp = new[:k], new_lp[:k]
             out += new
             lp += new_lp
-            produced += len(new)
+            accepted.append(new)
             if out[-1] == self.eos:
                 done_rows.append(i)
                 results[g.rows.window_row[i]] = [self._hypo(out, lp, dev)]
-        self.drafter.advance(g.draft, outs, matched)
+        produced = sum(map(len, accepted))
+        self.drafter.advance(g.draft, accepted)
         self.draft_budget.update(lens, matched)
         g.cache.rollback([j + 1 for j in matched], m)  # drop the rejected slots
         done = [g.rows.window_row[i] for i in done_rows]

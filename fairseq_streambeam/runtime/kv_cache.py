@@ -7,7 +7,8 @@ exactly zero attention weight (fairseq's key padding mask). The operations:
   buffers are padded with masked slots);
 - slots: `prime` (a new row's encoder keys, before its first step), `rollback` (rejected draft
   slots), `truncate`, `compact` (drop masked slots), `trim_encoder` (encoder keys no row uses);
-- encoder outputs for decoders that read them every step (`decoder_inputs`, `select_sources`).
+- encoder outputs for decoders that read them every step (`decoder_inputs`, `source_inputs`,
+  `select_sources`).
 
 fairseq adapter: this module is the only code that reads or writes fairseq's incremental-state
 dicts (transformer `MultiheadAttention` buffers `prev_key`/`prev_value` [N, H, L, d] and
@@ -64,6 +65,10 @@ class KVCache:
         # tensors into the dict it is given, which would turn the per-source outputs kept here
         # into per-row ones
         return self.model.reorder_encoder_out([copy.copy(e) for e in self.encoder_outs], row_src)
+
+    def source_inputs(self, device: torch.device) -> List[EncOut]:
+        """Encoder outputs for one row per source, in order (draft-and-verify's rows)."""
+        return self.encoder_outs if self.encoder_outs is not None else stand_in(self.model, self.n_sources, device)
 
     def after_step(self) -> None:
         """The state now holds the encoder-attention keys: outputs are no longer needed."""
