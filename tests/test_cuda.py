@@ -1,4 +1,5 @@
-"""The CPU tests' invariants on a CUDA device, and the beam loop's host synchronizations per step.
+"""The CPU tests' invariants on a CUDA device, and the decoding loops' host synchronizations: per
+beam step, per continuous-order step and per IAD pass.
 
 The invariants are the CPU tests themselves, imported below and collected here a second time,
 with every generator call rerouted to the device (tests/device_router.py): beam and fixed-stream
@@ -8,7 +9,7 @@ tokens), var-stream == var-batch (float64), IAD and GAD with beta 1 (drafter mod
 beam vs fairseq's generator and var-stream vs var-batch at stated rates. Marked `cuda`
 (`pytest -m cuda`); skipped without a GPU. STREAMBEAM_TEST_DEVICE=cpu runs the same tests through
 the router on the CPU, so the rerouting itself can be checked on a machine without one (the sync
-count needs CUDA).
+counts need CUDA).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import functools
 import os
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -87,6 +90,8 @@ from test_stream_invariance import (  # noqa: F401
 )
 
 from fairseq_streambeam import Budget, StreamBeamGenerator
+from fairseq_streambeam.drafters.input_copy import InputCopyDrafter
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 
 DEVICE = torch.device(os.environ.get("STREAMBEAM_TEST_DEVICE", "cuda"))
 PACKAGE = Path(__file__).resolve().parents[1] / "fairseq_streambeam"
@@ -103,21 +108,79 @@ def on_device():
         yield
 
 
-# ---- host synchronizations of the beam loop ----------------------------------------------------
+# ---- host synchronizations of the decoding loops ------------------------------------------------
 #
-# Designed, from reading generators/stream_beam.py (StreamBeamGenerator._step): a decoder step of
+# Every figure below is a design read off the code; a CUDA run checks it. Under CUDA's sync debug
+# mode these synchronize: a copy to the host (`.cpu()`, `.item()`, `.tolist()`, `bool()` / `int()`
+# of a device tensor, `nonzero`, boolean-mask indexing) and an upload from pageable host memory
+# (`torch.from_numpy(..).to(dev)`, `torch.tensor(.., device=dev)`, a host tensor's `.to(dev)`);
+# an empty copy returns before it reaches the device, so it does not. Syncs in fairseq's own code
+# are counted apart (other:<file>) and not held to the design.
+#
+# Beam search, StreamBeamGenerator._step (generators/stream_beam.py): a decoder step of
 # fixed-width beam search in which no source finishes makes exactly
 #   1 device-to-host copy: the packed decisions (`torch.cat([...]).cpu()`, "the one host sync of
 #     the step"), and
 #   5 host-to-device uploads of index arrays computed on the host from it (`torch.from_numpy(...)
 #     .to(dev)`): kept positions, their parents, each kept row's source, the live mask, the rows
 #     the decoder cache keeps,
-# each of which synchronizes (CUDA's sync debug mode flags pageable copies both ways), and nothing
-# else in this package synchronizes on such a step (search/, scorers/, runtime/). A step where
-# sources finish adds uploads for the finished hypotheses (_hypotheses: 3) and the remaining
-# sources (1). fairseq's own decoder call is counted apart and not held to this design.
+# and nothing else in this package synchronizes on such a step (search/, scorers/, runtime/). A step
+# where sources finish adds uploads for the finished hypotheses (_hypotheses: 3) and the remaining
+# sources (1).
 STEADY_STEP_SYNCS = {"stream_beam.py:_step": 6}
 FINISHING_STEP_MAX = 6 + 3 + 1
+#
+# The continuous order (var-stream, stream_order="continuous"): one ragged cohort, every row at its
+# own step. A step in which no source finishes, no source was admitted just before, and every row
+# is live (no finished row carried: none has ended yet) makes the same 6, all in _step:
+#   _ragged_lprobs reads the furthest step off the host mirror (steps_h) and hands it to the block
+#     step (`max_position`), which then reads no position back; BlockDecoder.positions grows its
+#     table with device fills (fairseq's sinusoidal table, when it grows, is fairseq's: other:);
+#     the cached encoder keys make `stand_in` a device zeros; one slot per row: no block mask;
+#   _ragged_penalties decides the length limit and the minimum length on the host mirrors and
+#     writes -inf with masked_fill (a Python number: no upload);
+#   rank_candidates with every row live skips the boolean-mask reads and writes of carried rows
+#     (5 syncs on a step with some); its per-source grid is indexed with device long tensors;
+#     the sticky rule, delta pruning and `done` (max_len_t <= steps_t) stay on the device;
+#   then the 1 + 5 of beam search; no lost EOS, so no backoff hypothesis; `_tidy_ragged` compacts
+#     the cache with the host bound `keep=top` (no count of valid slots read back).
+# A step where sources finish adds at most 3 (_hypotheses of the final ones) + 3 (_hypotheses of
+# an improved backoff) + 1 (SourceState.select, rows.py) + 1 (KVCache.select_sources' rows).
+CONTINUOUS_STEADY_STEP_SYNCS = {"stream_beam.py:_step": 6}
+CONTINUOUS_FINISHING_STEP_MAX = 6 + 3 + 3 + 1 + 1
+#
+# Aggressive decoding, AggressiveGenerator._pass (generators/aggressive.py), IAD with the default
+# InputCopyDrafter and top-1 verification (beta 1), no prefix tokens: a pass of N rows in which no
+# row finishes, with drafts of lengths `lens` (d = max(lens); the block is "padded" when some row
+# drafts fewer than d tokens), makes
+#   1 upload of the drafts (drafters/base.py pad_drafts; none when d = 0: the copy is empty),
+#   1 upload of each row's last token (_pass, `last.to(dev)`),
+#   2 more when padded: the block's padding mask (_pass) and the real slots' indices (Slots.real,
+#     runtime/lean_layer.py, found on the host),
+#   1 upload of the slots' target positions (_verify, `steps_d`; the block step gets the largest
+#     position from the host),
+#   1 copy to the host of each slot's top-1, its log-prob and the block (_accept, "the one host sync
+#     of the pass"; a NaN there, never met here, redoes it),
+#   1 upload of the rejected slots' mask (KVCache.rollback; a lone row cuts its cache instead),
+# that is 5 + 2 when padded, less one for a lone row or no draft; a pass whose cache has outgrown
+# twice the longest output plus the slack also compacts it, counting its valid slots on the host
+# (KVCache.compact: 1 per ensemble member). A pass where F rows finish adds at most 2 F (_hypo: its
+# tokens and log-probs) + 1 (KVCache.select's rows) + 2 per member (trim_encoder: whether every
+# encoder column is used, and which).
+
+
+def _designed_pass_syncs(rows: int, lens: list) -> Counter:
+    """The syncs by site designed for an IAD pass of `rows` rows with draft lengths `lens` in which
+    no row finishes, compaction apart (see above)."""
+    d = max(lens, default=0)
+    padded = min(lens, default=0) < d
+    want = Counter({"aggressive.py:_pass": 1 + padded, "aggressive.py:_verify": 1, "aggressive.py:_accept": 1,
+                    "base.py:pad_drafts": int(d > 0), "lean_layer.py:real": int(padded),
+                    "kv_cache.py:rollback": int(rows > 1)})
+    return +want  # zero entries dropped
+
+
+IAD_FINISHING_EXTRA = 1 + 2  # KVCache.select's rows and trim_encoder (one member), beside 2 per finished row
 
 
 @functools.cache
@@ -137,22 +200,47 @@ def _site(w: warnings.WarningMessage) -> str:
     return f"{path.name}:{inner[-1] if inner else '<module>'}"
 
 
-def _syncs_per_step(gen: StreamBeamGenerator, sample) -> list[Counter]:
-    """Run `gen` on `sample` (on the GPU) with CUDA's sync debug mode warning; returns, per decoder
-    step, the synchronizing operations by site."""
-    steps: list[Counter] = []
-    step = gen._step
+@dataclass
+class Call:
+    """One call of a generator's step method: its synchronizing operations by site, what it
+    returned (the window rows that finished), whether sources were admitted since the previous
+    call, and what `note` read off its group just before it."""
+
+    syncs: Counter
+    returned: Any = None
+    admitted: bool = False
+    note: Any = None
+
+
+def _syncs_per_step(gen, sample, method: str = "_step", note: Optional[Callable[[Any], Any]] = None) -> list[Call]:
+    """Run `gen` on `sample` (on the GPU) with CUDA's sync debug mode warning; returns one Call per
+    call of `gen.<method>`, the generator's step: StreamBeamGenerator._step (one decoder step of a
+    cohort) or AggressiveGenerator._pass (one draft-and-verify pass of a group). Both generators
+    build their driver's engine from `self._admit` and `self.<method>`, so wrapping them on the
+    instance sees every call. `note(group)` must read host state only."""
+    calls: list[Call] = []
+    step, admit = getattr(gen, method), gen._admit
+    admitted = [False]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
 
-        def counted(c, results):
-            start = len(seen)
-            try:
-                return step(c, results)
-            finally:
-                steps.append(Counter(_site(w) for w in seen[start:] if "synchroniz" in str(w.message)))
+        def admitting(*args, **kwargs):
+            admitted[0] = True
+            return admit(*args, **kwargs)
 
-        gen._step = counted
+        def counted(group, *args, **kwargs):
+            noted = None if note is None else note(group)
+            start, out = len(seen), None
+            try:
+                out = step(group, *args, **kwargs)
+                return out
+            finally:
+                syncs = Counter(_site(w) for w in seen[start:] if "synchroniz" in str(w.message))
+                calls.append(Call(syncs, out, admitted[0], noted))
+                admitted[0] = False
+
+        setattr(gen, method, counted)
+        gen._admit = admitting
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -160,27 +248,110 @@ def _syncs_per_step(gen: StreamBeamGenerator, sample) -> list[Counter]:
                 gen._generate(sample)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return steps
+            del gen._admit  # the class's methods again
+            delattr(gen, method)
+    return calls
 
 
 def _ours(counter: Counter) -> Counter:
     return Counter({k: v for k, v in counter.items() if not k.startswith("other:")})
 
 
-def test_beam_step_host_syncs():
+def _report(calls: list[Call], what: str = "step") -> str:
+    return "\n".join(f"{what} {i}: {dict(c.syncs)}" + (f" note {c.note}" if c.note is not None else "")
+                     + (" admitted" if c.admitted else "") + (f" finished {c.returned}" if c.returned else "")
+                     for i, c in enumerate(calls))
+
+
+def _needs_cuda() -> None:
     if DEVICE.type != "cuda":
         pytest.skip("counts CUDA synchronizations")
+
+
+def test_beam_step_host_syncs():
+    _needs_cuda()
     d = make_dict(40)
     model = random_transformer(d, 5, eos_bias=-30.0).to(DEVICE)  # no EOS before the length limit
     sample = to_device(make_sample(d, random_sentences(d, 8, 6, min_len=3)), DEVICE)
     gen = StreamBeamGenerator([model], d, beam_size=4, max_len_b=12)
-    steps = _syncs_per_step(gen, sample)
+    steps = [c.syncs for c in _syncs_per_step(gen, sample)]
     assert len(steps) == gen.counters.decoder_steps == 13  # steps 0..12, EOS forced at 12
     report = "\n".join(f"step {i}: {dict(c)}" for i, c in enumerate(steps))
     print(report)  # fairseq's own decoder syncs show as other:<file>
     for i, c in enumerate(steps[:-1]):
         assert dict(_ours(c)) == STEADY_STEP_SYNCS, f"step {i} synchronized more or less than designed:\n{report}"
     assert 1 <= sum(_ours(steps[-1]).values()) <= FINISHING_STEP_MAX, report
+
+
+def test_continuous_step_host_syncs():
+    """The continuous order's ragged steps (rows at their own steps, log-probs from
+    `_ragged_lprobs`) against CONTINUOUS_STEADY_STEP_SYNCS: derived from the code, first checked on
+    a GPU run. Sources' limits differ (max_len_a 1) and a budget of 4 refills as soon as one
+    finishes, so sources at different steps share the cohort."""
+    _needs_cuda()
+    d = make_dict(40)
+    model = random_transformer(d, 6, eos_bias=-30.0).to(DEVICE)  # EOS only where forced, at a source's limit
+    sample = to_device(make_sample(d, random_sentences(d, 10, 7, min_len=2, max_len=10)), DEVICE)
+    gen = StreamBeamGenerator([model], d, beam_size=4, max_len_a=1, max_len_b=2, decoding="var-stream",
+                              stream_order="continuous", budget=Budget(4), refill_eps=0.9)
+    assert gen.scheduler.policy == "continuous"
+
+    def note(c):  # before each step, from host mirrors: ragged?, every row live?, how many steps its sources are at
+        return c.ragged, bool(c.live_h.all()), len(set(c.src.steps_h.tolist()))
+
+    calls = _syncs_per_step(gen, sample, note=note)
+    assert len(calls) == gen.counters.decoder_steps
+    report = _report(calls)
+    print(report)
+    assert all(c.note[0] for c in calls), report
+    steady = [i for i, c in enumerate(calls) if not c.returned and not c.admitted]
+    assert any(calls[i].note[2] > 1 for i in steady), f"no steady step with sources at different steps:\n{report}"
+    for i, c in enumerate(calls):
+        if i in steady:
+            assert c.note[1], f"step {i}: a row not live before any source finished:\n{report}"
+            assert dict(_ours(c.syncs)) == CONTINUOUS_STEADY_STEP_SYNCS, (
+                f"step {i} synchronized more or less than designed:\n{report}")
+        else:
+            assert sum(_ours(c.syncs).values()) <= CONTINUOUS_FINISHING_STEP_MAX, f"step {i}:\n{report}"
+
+
+def test_iad_pass_host_syncs():
+    """IAD's passes (the default InputCopyDrafter, top-1 verification) against
+    `_designed_pass_syncs`: derived from the code, first checked on a GPU run. Rows end only at
+    their length limits (which differ), and a budget of 4 refills as soon as one finishes, so groups
+    of one row and merged groups, padded blocks and unpadded ones all occur."""
+    _needs_cuda()
+    d = make_dict(40)
+    model = random_transformer(d, 8, eos_bias=-30.0).to(DEVICE)  # EOS only where forced, at a row's limit
+    sample = to_device(make_sample(d, random_sentences(d, 10, 9, min_len=2, max_len=10)), DEVICE)
+    gen = AggressiveGenerator([model], d, max_len_a=1, max_len_b=2, budget=Budget(4), refill_eps=0.9)
+    assert isinstance(gen.drafter, InputCopyDrafter) and gen.beta == 1
+    drafted: list[list[int]] = []  # each pass's draft lengths, as the drafter returned them
+    propose = gen.drafter.propose
+
+    def recording(*args, **kwargs):
+        drafts, lens = propose(*args, **kwargs)
+        drafted.append(list(lens))
+        return drafts, lens
+
+    gen.drafter.propose = recording
+    calls = _syncs_per_step(gen, sample, method="_pass", note=lambda g: g.n_sources)
+    assert len(calls) == len(drafted) == gen.counters.decoder_steps
+    report = _report(calls, "pass") + "\ndraft lengths: " + str(drafted)
+    print(report)
+    kinds = set()
+    for i, (c, lens) in enumerate(zip(calls, drafted)):
+        got = _ours(c.syncs)
+        compact = got.pop("kv_cache.py:compact", 0)
+        assert compact <= 1, f"pass {i}:\n{report}"
+        want = _designed_pass_syncs(c.note, lens)
+        if not c.returned:
+            assert got == want, f"pass {i} synchronized more or less than designed ({dict(want)}):\n{report}"
+            kinds.add((c.note > 1, "lean_layer.py:real" in want))
+        else:
+            assert sum(got.values()) <= sum(want.values()) + 2 * len(c.returned) + IAD_FINISHING_EXTRA, (
+                f"pass {i}:\n{report}")
+    assert {(True, True), (True, False)} <= kinds, f"padded and unpadded batched passes expected:\n{report}"
 
 
 # ---- half precision (fairseq-generate --fp16) ---------------------------------------------------
