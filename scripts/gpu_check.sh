@@ -4,8 +4,10 @@
 # when fairseq is missing, records the machine, then runs the stages named by --step:
 #   tests    the CUDA tests (pytest -m cuda tests/test_cuda.py)
 #   bench    deen-tiny at beam 5 and 50 (fairseq, beam, var-batch, var-stream, and continuous / ct2
-#            when they exist), gec-tiny IAD at batch 1 and 32 against fairseq greedy, and the
-#            step cost of deen-tiny by rows
+#            when they exist), gec-tiny IAD at batch 1 and 32 against fairseq greedy, the step
+#            cost of deen-tiny by rows, then deen-tiny with configs/engine_k5.json and
+#            engine_k50.json (var-batch, var-stream, continuous, both under a candidate budget C,
+#            and ct2 where it runs) on --limit and a fifth of it
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh) for --drafter-minutes,
 #            then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
@@ -193,6 +195,19 @@ stage_bench() {
   [ "$tiny" = 1 ] && rows=1,2,4
   run bench step-cost-deen "${helper[@]}" step-cost --data "$deen/data-bin" \
     --path "$deen/checkpoint_best.pt" -s de -t en --device "$device" --rows "$rows" --out "$work/step_cost_deen.json"
+  # the candidate-budget configs, last: the runs above keep their time. k = 50 decodes a fifth of
+  # the sentences (as docs/benchmarks.md's CPU runs: 1000 and 200), so both fit what the deadline
+  # leaves; a run that does not finish in time brings back nothing but its exit status (124).
+  local drop=() n
+  has_ct2 || drop=(--drop ct2)  # the benchmark refuses a config whose ct2 cannot run
+  for k in "${beams[@]}"; do
+    n=$limit
+    [ "$k" -gt 5 ] && n=$(( limit / 5 > 0 ? limit / 5 : 1 ))
+    "${helper[@]}" bench-config "configs/engine_k$k.json" "$work/engine_k$k.json" "${drop[@]}" >> "$out/bench.log" 2>&1 \
+      || { echo "[bench] engine-k$k: no config (see bench.log)"; continue; }
+    bench bench "engine-k$k" --config "$work/engine_k$k.json" --data "$deen/data-bin" \
+      --path "$deen/checkpoint_best.pt" -s de -t en --limit "$n"
+  done
 }
 
 stage_drafter() {

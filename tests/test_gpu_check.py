@@ -52,6 +52,9 @@ def test_dry_run_of_tests_and_bench(tmp_path):
     gec = {row["method"]: row for row in res["bench"]["gec-iad-b1"]["rows"]}
     assert gec["iad"]["identical_to_exact_ref"] == 1.0 and gec["iad"]["accepted_per_pass"] > 1
     assert [c["rows"] for c in res["step_cost"]["step_cost_deen"]] == [1, 2, 4]
+    engine = {row["method"]: row for row in res["bench"]["engine-k5"]["rows"]}  # ct2 left out of a dry run
+    assert set(engine) == {"var-batch", "var-stream", "continuous", "var-stream[C=320]", "continuous[C=320]"}
+    assert all(row["identical_to_exact_ref"] == 1.0 for row in engine.values())  # var-batch's outputs
     assert "deen-k5" in r.stdout and "x base" in r.stdout  # the short table printed last
 
 
@@ -124,6 +127,21 @@ def test_slim_checkpoint_keeps_tied_weights_shared_and_drops_the_optimizer(tmp_p
     assert slim["model"]["version"].dtype == torch.long
     assert w.untyped_storage().data_ptr() == slim["model"]["encoder.embed_tokens.weight"].untyped_storage().data_ptr()
     assert after < 500 * 64 * 2 * 1.5 < before  # one fp16 copy of the tied table
+
+
+def test_bench_config_drops_variants_and_keeps_settings(tmp_path):
+    for k, c in ((5, 320), (50, 3200)):
+        src = REPO / "configs" / f"engine_k{k}.json"
+        kept = gpu_check.bench_config(src, tmp_path / f"k{k}.json", ["ct2"])
+        assert kept == ["var-batch", "var-stream", "continuous", f"var-stream[C={c}]", f"continuous[C={c}]"]
+        got, want = (json.loads(p.read_text()) for p in (tmp_path / f"k{k}.json", src))
+        assert {key: v for key, v in got.items() if key != "variants"} == {
+            key: v for key, v in want.items() if key != "variants"}
+        assert gpu_check.bench_config(src, tmp_path / "all.json") == [*kept, "ct2"]
+    (tmp_path / "mixed.json").write_text(json.dumps({"beam": 5, "variants": ["fairseq,ct2,beam", "ct2",
+                                                                             {"name": "x", "decoding": "beam"}]}))
+    assert gpu_check.bench_config(tmp_path / "mixed.json", tmp_path / "out.json", ["ct2", "x"]) == ["fairseq", "beam"]
+    assert json.loads((tmp_path / "out.json").read_text())["variants"] == ["fairseq,beam"]
 
 
 def test_summary_survives_a_run_cut_off_midway(tmp_path):

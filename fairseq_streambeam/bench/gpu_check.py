@@ -7,6 +7,7 @@ network access carries there and what it brings back.
   python fairseq_streambeam/bench/gpu_check.py spm-encode MODEL IN OUT [--lines N]
   python fairseq_streambeam/bench/gpu_check.py step-cost --data DIR --path CKPT -s L -t L --out FILE.json
   python fairseq_streambeam/bench/gpu_check.py has-method NAME
+  python fairseq_streambeam/bench/gpu_check.py bench-config SRC DST [--drop NAME...]
   python fairseq_streambeam/bench/gpu_check.py summarize WORK OUT [--print]
 
 (or `python -m fairseq_streambeam.bench.gpu_check ...`, which imports fairseq first.)
@@ -256,6 +257,38 @@ def builtin_methods() -> set:
     return set(module.BUILTIN)
 
 
+# ---- bench-config -------------------------------------------------------------------------------
+
+def _variant_names(v) -> List[str]:
+    """Names of a config's variant entry: built-in names (a string, possibly comma-separated) or
+    an object's `name`."""
+    if isinstance(v, str):
+        return [x.strip() for x in v.split(",") if x.strip()]
+    return [v.get("name", "")]
+
+
+def bench_config(src: Path, dst: Path, drop: Sequence[str] = ()) -> List[str]:
+    """Benchmark config `src` (configs/*.json) copied to `dst` without the variants named in `drop`
+    (e.g. ct2 where CTranslate2 cannot run: the benchmark refuses a config asking for it), settings
+    and comments as they are. Returns the names of the variants kept."""
+    cfg = json.loads(src.read_text())
+    if "sweep" in cfg and drop:
+        raise SystemExit(f"bench-config: {src} has a sweep; only listed variants can be dropped")
+    gone = set(drop)
+    kept = []
+    for v in cfg.get("variants", []):
+        names = [n for n in _variant_names(v) if n not in gone]
+        if isinstance(v, str):
+            if names:
+                kept.append(",".join(names))
+        elif names:
+            kept.append(v)
+    cfg["variants"] = kept
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(cfg, indent=1) + "\n")
+    return [n for v in kept for n in _variant_names(v)]
+
+
 # ---- summarize ----------------------------------------------------------------------------------
 
 BENCH_COLUMNS = [("method", "method"), ("bleu", "BLEU"), ("seconds_median", "time s"),
@@ -445,6 +478,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("has-method", help="exit 0 when the benchmark has this built-in method")
     s.add_argument("name")
+    s = sub.add_parser("bench-config", help="a copy of a benchmark config without some of its variants")
+    s.add_argument("src", type=Path)
+    s.add_argument("dst", type=Path)
+    s.add_argument("--drop", nargs="*", default=[], help="variant names to leave out (e.g. ct2)")
     s = sub.add_parser("summarize", help="results.json, results.md and gpu_check.png from a work folder")
     s.add_argument("work", type=Path)
     s.add_argument("out", type=Path)
@@ -481,6 +518,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a.out.write_text(json.dumps(curve, indent=1))
     elif a.cmd == "has-method":
         return 0 if a.name in builtin_methods() else 1
+    elif a.cmd == "bench-config":
+        if not a.src.exists():
+            raise SystemExit(f"bench-config: no such config {a.src}")
+        kept = bench_config(a.src, a.dst, a.drop)
+        if not kept:
+            raise SystemExit(f"bench-config: no variant of {a.src} left")
+        print(f"{a.dst}: {', '.join(kept)}")
     elif a.cmd == "summarize":
         result = summarize(a.work, a.out)
         if a.print:
