@@ -142,8 +142,8 @@ FINISHING_STEP_MAX = 6 + 3 + 1
 #   rank_candidates with every row live skips the boolean-mask reads and writes of carried rows
 #     (5 syncs on a step with some); its per-source grid is indexed with device long tensors;
 #     the sticky rule, delta pruning and `done` (max_len_t <= steps_t) stay on the device;
-#   then the 1 + 5 of beam search; no lost EOS, so no backoff hypothesis; `_tidy_ragged` compacts
-#     the cache with the host bound `keep=top` (no count of valid slots read back).
+#   then the 1 + 5 of beam search; no lost EOS, so no backoff hypothesis; `_tidy_ragged` cuts the
+#     masked slots off the cache as a view, by the host count `top` (nothing read back).
 # A step where sources finish adds at most 3 (_hypotheses of the final ones) + 3 (_hypotheses of
 # an improved backoff) + 1 (SourceState.select, rows.py) + 1 (KVCache.select_sources' rows).
 CONTINUOUS_STEADY_STEP_SYNCS = {"stream_beam.py:_step": 6}

@@ -43,7 +43,6 @@ STREAMING = ("var-stream", "fixed-stream")
 PAPER_DELTA = 1.5  # Yang et al. 2020, Table 1 settings
 PAPER_M = 5
 ORDERS = ("min-length", "fifo", "continuous")
-COMPACT_SLACK = 16  # masked self-attention slots a ragged cache may hold beyond twice its longest row
 
 logger = logging.getLogger(__name__)
 
@@ -504,17 +503,18 @@ class StreamBeamGenerator(SequenceGenerator):
         return lprobs
 
     def _tidy_ragged(self, c: Cohort) -> None:
-        """After a ragged step: drop the token columns no source reaches any more (its furthest
-        source finished), and the cache's masked self-attention slots once they are more than the
-        longest row again plus a slack (`compact`; the longest row's slot count is known here)."""
+        """After a ragged step: drop the token columns and the cache slots no source reaches any
+        more. Every row's slots end at the cache's last slot (rows step together; a joining row
+        has none yet), so all but the furthest source's `top` last slots are masked in every row
+        and are cut off as a view."""
         top = int(c.src.steps_h.max())
         if top < c.length:
             b = c.beams
             c.beams = Beams(tokens=b.tokens[:, b.tokens.size(1) - top - 1:], cum=b.cum[:, b.cum.size(1) - top:],
                             src=b.src, live=b.live, state=b.state)
             c.length = top
-        if c.live_h.any() and c.cache.length > 2 * top + COMPACT_SLACK:
-            c.cache.compact(keep=top)
+        if c.live_h.any() and c.cache.length > top:
+            c.cache.truncate(top, last=True)
 
     def _hypotheses(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
                     carried_h: np.ndarray, R: int, attn: Optional[Tensor] = None):

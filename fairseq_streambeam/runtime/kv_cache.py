@@ -168,22 +168,23 @@ class KVCache:
                 buf["prev_key_padding_mask"] = old.bool() | masked  # fairseq stores it as float after appending
                 mha._set_input_buffer(state, buf)
 
-    def truncate(self, length: int) -> None:
-        """Keep the first `length` self-attention slots of every row (a view, no copy)."""
+    def truncate(self, length: int, last: bool = False) -> None:
+        """Keep the first (`last`: the last) `length` self-attention slots of every row (a view,
+        no copy)."""
+        keep = slice(self.length - length, None) if last else slice(0, length)
         for dec, state in zip(self.decoders, self.states):
             for mha in _self_attn(dec):
                 buf = mha._get_input_buffer(state)
                 for name in ("prev_key", "prev_value"):
-                    buf[name] = buf[name][:, :, :length]
+                    buf[name] = buf[name][:, :, keep]
                 mask = buf.get("prev_key_padding_mask")
                 if mask is not None:
-                    buf["prev_key_padding_mask"] = mask[:, :length]
+                    buf["prev_key_padding_mask"] = mask[:, keep]
                 mha._set_input_buffer(state, buf)
 
-    def compact(self, keep: Optional[int] = None) -> None:
+    def compact(self) -> None:
         """Drop masked self-attention slots, keeping each row's valid slots in order (left-aligned).
-        `keep`: slots to keep per row when the caller knows, on the host, a bound at least the
-        largest count of a row's valid slots (saves a device-to-host sync); None counts them."""
+        One host sync: the largest count of a row's valid slots."""
         for dec, state in zip(self.decoders, self.states):
             mods = _self_attn(dec)
             mask = mods[0]._get_input_buffer(state).get("prev_key_padding_mask")
@@ -191,7 +192,7 @@ class KVCache:
                 continue
             mask = mask.bool()  # fairseq stores it as float after appending a block with padding
             valid = ~mask
-            n_keep = int(valid.sum(1).max()) if keep is None else min(keep, mask.size(1))
+            n_keep = int(valid.sum(1).max())
             order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices[:, :n_keep]  # valid slots first
             new_mask = ~valid.gather(1, order)
             for mha in mods:
