@@ -16,6 +16,7 @@ from .search.finalize import FINISH_COUNT_NEEDS_STICKY, finished_per_source
 DECODING_CHOICES = ChoiceEnum(["beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad", "fairseq"])
 FINALIZE_CHOICES = ChoiceEnum(["auto", "fairseq", "sticky"])
 ORDER_CHOICES = ChoiceEnum(["min-length", "fifo", "continuous"])
+ADMIT_CHOICES = ChoiceEnum(["shortest-first", "longest-first"])
 
 
 @dataclass
@@ -51,6 +52,11 @@ class StreamBeamConfig(TranslationConfig):
                                                 "(the paper), fifo (paper A.2), or continuous: every live "
                                                 "source steps in one decoder call whatever its prefix length "
                                                 "(fairseq transformer decoders; others use min-length)"})
+    stream_admit: ADMIT_CHOICES = field(
+        default="shortest-first", metadata={"help": "order in which streaming admits a window's sources: "
+                                                    "shortest-first keeps cohorts' lengths alike (little "
+                                                    "padding); longest-first starts long outputs early, so "
+                                                    "the window's last steps are fuller (same output)"})
     stream_candidates: Optional[int] = field(
         default=None, metadata={"help": "streaming: refill by live beam candidates instead of sources: keep "
                                         "about this many candidates per decoder step (--batch-size still caps "

@@ -103,6 +103,7 @@ class StreamBeamTranslationTask(TranslationTask):
             max_cands=self.cfg.prune_max_cands,
             finalize=str(self.cfg.finalize),
             stream_order=str(self.cfg.stream_order),
+            stream_admit=str(self.cfg.stream_admit),
             budget=self.budget,
             refill_eps=self.cfg.refill_eps,
             max_wait=self.cfg.max_wait_steps,

@@ -54,6 +54,7 @@ def test_dictionary_mismatch_is_a_clear_error():
     (dict(decoding="var-stream", refill_eps=2.0), "refill-eps"),
     (dict(decoding="var-stream", finalize="never"), "finalization rule"),
     (dict(decoding="var-stream", stream_order="random"), "stream-order"),
+    (dict(decoding="var-stream", stream_admit="random"), "stream-admit"),
     (dict(min_len=50, max_len_b=10), "min-len"),
 ])
 def test_bad_options_are_clear_errors(kw, match):

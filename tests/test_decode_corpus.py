@@ -179,7 +179,8 @@ def test_decode_corpus_exposes_every_task_option(tiny_run, tmp_path, monkeypatch
     fields = plugin_fields()
     assert {"finish_count", "prune_abs_threshold", "prune_max_cands", "refill_eps", "stream_order",
             "lmbr_posteriors", "token_masks", "decoding", "finalize"} <= {f.name for f in fields}
-    chosen = {"decoding": "var-batch", "finalize": "sticky", "stream_order": "fifo", "finish_count": 3}
+    chosen = {"decoding": "var-batch", "finalize": "sticky", "stream_order": "fifo", "finish_count": 3,
+              "stream_admit": "longest-first"}
     argv = _tiny_args(tiny_run, tmp_path)
     for f in fields:
         value = chosen.get(f.name, _non_default(f))

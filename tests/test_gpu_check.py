@@ -53,7 +53,8 @@ def test_dry_run_of_tests_and_bench(tmp_path):
     assert gec["iad"]["identical_to_exact_ref"] == 1.0 and gec["iad"]["accepted_per_pass"] > 1
     assert [c["rows"] for c in res["step_cost"]["step_cost_deen"]] == [1, 2, 4]
     engine = {row["method"]: row for row in res["bench"]["engine-k5"]["rows"]}  # ct2 left out of a dry run
-    assert set(engine) == {"var-batch", "var-stream", "continuous", "var-stream[C=320]", "continuous[C=320]"}
+    assert set(engine) == {"var-batch", "var-stream", "continuous", "var-stream[C=320]", "continuous[C=320]",
+                           "continuous[C=320,longest-first]"}
     assert all(row["identical_to_exact_ref"] == 1.0 for row in engine.values())  # var-batch's outputs
     assert "deen-k5" in r.stdout and "x base" in r.stdout  # the short table printed last
 
@@ -133,7 +134,8 @@ def test_bench_config_drops_variants_and_keeps_settings(tmp_path):
     for k, c in ((5, 320), (50, 3200)):
         src = REPO / "configs" / f"engine_k{k}.json"
         kept = gpu_check.bench_config(src, tmp_path / f"k{k}.json", ["ct2"])
-        assert kept == ["var-batch", "var-stream", "continuous", f"var-stream[C={c}]", f"continuous[C={c}]"]
+        assert kept == ["var-batch", "var-stream", "continuous", f"var-stream[C={c}]", f"continuous[C={c}]",
+                        f"continuous[C={c},longest-first]"]
         got, want = (json.loads(p.read_text()) for p in (tmp_path / f"k{k}.json", src))
         assert {key: v for key, v in got.items() if key != "variants"} == {
             key: v for key, v in want.items() if key != "variants"}

@@ -47,23 +47,26 @@ def var_reference(request):
     cands=st.one_of(st.none(), st.integers(3, 90)),
     eps=st.sampled_from([0.0, 1 / 6, 0.5, 1.0]),
     order=st.sampled_from(["min-length", "fifo", "continuous"]),
+    admit=st.sampled_from(["shortest-first", "longest-first"]),
     max_wait=st.sampled_from([0, 2]),
 )
-def test_var_stream_equals_var_batch(var_reference, n, tokens, cands, eps, order, max_wait):
+def test_var_stream_equals_var_batch(var_reference, n, tokens, cands, eps, order, admit, max_wait):
     kw, batch = var_reference
     got, gen = ours(MODELS, D, SAMPLE, decoding="var-stream", budget=Budget(n, tokens, cands), refill_eps=eps,
-                    stream_order=order, max_wait=max_wait, **kw)
-    assert_same_hypos(batch, got, atol=1e-5, msg=f"n={n} tokens={tokens} candidates={cands} eps={eps} {order}")
+                    stream_order=order, stream_admit=admit, max_wait=max_wait, **kw)
+    assert_same_hypos(batch, got, atol=1e-5,
+                      msg=f"n={n} tokens={tokens} candidates={cands} eps={eps} {order} {admit}")
     assert gen.counters.sentences == len(SENTS)
 
 
 @settings(max_examples=10, deadline=None)
-@given(n=st.integers(1, 5), eps=st.sampled_from([0.0, 0.5, 1.0]), order=st.sampled_from(["min-length", "continuous"]))
-def test_fixed_stream_equals_beam(n, eps, order):
+@given(n=st.integers(1, 5), eps=st.sampled_from([0.0, 0.5, 1.0]), order=st.sampled_from(["min-length", "continuous"]),
+       admit=st.sampled_from(["shortest-first", "longest-first"]))
+def test_fixed_stream_equals_beam(n, eps, order, admit):
     beam = ours(MODELS, D, SAMPLE, decoding="beam", **KW)[0]
     got = ours(MODELS, D, SAMPLE, decoding="fixed-stream", budget=Budget(n), refill_eps=eps, stream_order=order,
-               **KW)[0]
-    assert_same_hypos(beam, got, atol=1e-5, msg=f"n={n} eps={eps} {order}")
+               stream_admit=admit, **KW)[0]
+    assert_same_hypos(beam, got, atol=1e-5, msg=f"n={n} eps={eps} {order} {admit}")
 
 
 def test_beam_alone_equals_batched():

@@ -293,6 +293,7 @@ def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cud
     task.cfg.finish_count = v.finish_count if v.finish_count is not None else (
         settings["finish_count"] if sticky else None)
     task.cfg.stream_order = v.stream_order or "min-length"
+    task.cfg.stream_admit = v.stream_admit or "shortest-first"
     task.cfg.stream_window = settings["stream_window"]
     task.cfg.block_size = v.block_size or 0
     task.cfg.stream_candidates = v.candidates

@@ -23,6 +23,7 @@ class Variant:
     finalize: Optional[str] = None
     finish_count: Optional[int] = None  # sticky rule: finished hypotheses that end a source (default: the run's)
     stream_order: Optional[str] = None
+    stream_admit: Optional[str] = None  # streaming: shortest-first (default) or longest-first
     lmbr: bool = False  # score with the run's --lmbr-posteriors
     block_size: Optional[int] = None  # aggressive decoding: draft cap (0 = auto)
     candidates: Optional[int] = None  # streaming: live-candidate budget (--stream-candidates)

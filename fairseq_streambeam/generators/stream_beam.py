@@ -43,6 +43,7 @@ STREAMING = ("var-stream", "fixed-stream")
 PAPER_DELTA = 1.5  # Yang et al. 2020, Table 1 settings
 PAPER_M = 5
 ORDERS = ("min-length", "fifo", "continuous")
+ADMIT_ORDERS = ("shortest-first", "longest-first")
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class StreamBeamGenerator(SequenceGenerator):
     finish_count (z): finished hypotheses that end a source under the sticky rule (default k; an
     error with the fairseq rule). nbest: hypotheses the caller reads, at most those that end a source.
     budget: live sources for streaming modes. refill_eps: refill when fewer than eps*n are live.
+    stream_admit: shortest-first | longest-first, the order streaming admits a window's sources.
     max_wait: step a cohort that waited this many steps first (latency bound; 0 = off).
     """
 
@@ -205,6 +207,7 @@ class StreamBeamGenerator(SequenceGenerator):
         nbest: int = 1,
         finish_count: Optional[int] = None,
         stream_order: str = "min-length",
+        stream_admit: str = "shortest-first",
         budget: Optional[Budget] = None,
         refill_eps: float = 1 / 6,
         max_wait: int = 0,
@@ -225,6 +228,9 @@ class StreamBeamGenerator(SequenceGenerator):
         check_vocabulary(self.model, tgt_dict)
         self.mode = DecodeMode.resolve(decoding, self.beam_size, delta, max_cands, finalize, stream_order)
         self.pruning = self.mode.pruning
+        if stream_admit not in ADMIT_ORDERS:
+            raise ValueError(f"--stream-admit must be one of {ADMIT_ORDERS}, got {stream_admit!r}")
+        self.admit_longest_first = stream_admit == "longest-first"
         self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, finish_count, nbest)
         # fixed beams under fairseq's rule rank ties in fairseq's order (search/beam_state.py)
         self.rank_like_fairseq = self.pruning.is_fixed and self.mode.finalize == "fairseq"
@@ -272,11 +278,12 @@ class StreamBeamGenerator(SequenceGenerator):
         # continuous order: one cohort of sources at different steps; prefix tokens are forced per
         # step of a whole cohort, so a call with them steps cohorts of one length (shortest first)
         ragged = self.scheduler.policy in RAGGED and prefix_tokens is None
-        # streaming admits sources shortest first, so cohorts (and their merges) pad little;
-        # batch modes keep fairseq's batch as it is. Output is per window row either way.
+        # streaming admits sources by length: shortest first, cohorts (and their merges) pad little;
+        # longest first, long outputs start early and the window's last steps are fuller. Batch
+        # modes keep fairseq's batch as it is. Output is per window row either way.
         order = list(range(n_src))
         if self.mode.policy != "batch":
-            order.sort(key=lengths.__getitem__)
+            order.sort(key=lengths.__getitem__, reverse=self.admit_longest_first)
         engine = Engine(
             admit=partial(self._admit, srcs, prefix_tokens=prefix_tokens, bos=bos, device=device, ragged=ragged),
             step=partial(self._step, results=results),
