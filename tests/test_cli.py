@@ -32,6 +32,7 @@ def hypos(out: str):
     ("var-stream", ["--batch-size", "6", "--stream-window", "3"]),
     ("var-stream", ["--max-tokens", "40", "--refill-eps", "0.5", "--stream-order", "fifo"]),
     ("fixed-stream", ["--batch-size", "4", "--stream-window", "100", "--max-wait-steps", "3"]),
+    ("var-stream", ["--batch-size", "5", "--stream-order", "continuous", "--stream-admit", "longest-first"]),
 ])
 def test_every_id_answers_once(tiny_run, decoding, extra):
     r = generate(tiny_run, "--beam", "4", "--decoding", decoding, *extra)
