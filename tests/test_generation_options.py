@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from fairseq_streambeam import Budget
-from fairseq_streambeam.scorers.penalties import block_repeated_ngrams
+from fairseq_streambeam.search.penalties import block_repeated_ngrams
 
 D = make_dict(12)  # a small vocabulary, so that outputs repeat n-grams and blocking matters
 

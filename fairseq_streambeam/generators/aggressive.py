@@ -37,7 +37,7 @@ from ..runtime.lean_encoder import forward_encoder
 from ..runtime.lean_layer import Slots
 from ..runtime.rows import Rows
 from ..runtime.scheduler import Budget, Scheduler
-from ..scorers.penalties import FairseqPenalties
+from ..search.penalties import FairseqPenalties
 from .common import Sources
 from .stream_beam import _max_source_positions
 

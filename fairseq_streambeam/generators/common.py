@@ -8,7 +8,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from ..scorers.penalties import source_max_len
+from ..search.penalties import source_max_len
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
+from ..adapters import alignment as attention
 from ..runtime.block_step import BlockDecoder, block_decodable
 from ..runtime.counters import Counters
 from ..runtime.driver import Driver, Engine
@@ -31,10 +32,9 @@ from ..runtime.lean_encoder import forward_encoder
 from ..runtime.rows import Rows
 from ..runtime.scheduler import RAGGED, Budget, Scheduler
 from ..scorers.base import ScorerStack
-from ..scorers.penalties import FairseqPenalties
-from ..search import attention
 from ..search.beam_state import Beams, rank_candidates
 from ..search.finalize import build_finalize
+from ..search.penalties import FairseqPenalties
 from ..search.pruning import Pruning
 from .common import Sources
 
