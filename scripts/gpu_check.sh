@@ -113,7 +113,7 @@ if [ "$device" = cuda ] && ! grep -q '"cuda_available": true' "$work/env.json"; 
 fi
 
 # ---- helpers ----------------------------------------------------------------------------------
-helper=("$python" "$here/fairseq_streambeam/bench/gpu_check.py")
+helper=("$python" "$here/scripts/gpu_check.py")
 left() { echo $((deadline - SECONDS)); }
 
 summarize() { "${helper[@]}" summarize "$work" "$out" "$@" 2>>"$out/summary.err"; }

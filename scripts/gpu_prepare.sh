@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 cd "$here"
-helper=("$python" "$here/fairseq_streambeam/bench/gpu_check.py")
+helper=("$python" "$here/scripts/gpu_check.py")
 limit_mib=64
 
 # ---- wheels -----------------------------------------------------------------------------------

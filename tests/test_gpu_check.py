@@ -1,9 +1,10 @@
 """The GPU-machine tooling, checked on the CPU: scripts/gpu_check.sh as a dry run (--device cpu
---tiny), its helpers (wheel and checkpoint slimming, the wheel requirement check, the summary), and
-the test device router of tests/test_cuda.py."""
+--tiny), its helpers in scripts/gpu_check.py (wheel and checkpoint slimming, the wheel requirement
+check, the summary), and the test device router of tests/test_cuda.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,9 +18,20 @@ from device_router import generate_on, misplaced
 from helpers import REPO, SHARED, make_dict, make_sample, random_sentences, random_transformer
 
 from fairseq_streambeam import StreamBeamGenerator
-from fairseq_streambeam.bench import gpu_check
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
+HELPER = REPO / "scripts" / "gpu_check.py"
+
+
+def _load_helper():
+    """scripts/gpu_check.py as a module: a tool outside the package, so imported by its path."""
+    spec = importlib.util.spec_from_file_location("gpu_check", HELPER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load_helper()
 
 
 def _script(*args, env_extra=None, timeout=300):
@@ -47,7 +59,7 @@ def test_dry_run_of_tests_and_bench(tmp_path):
     assert res["env"]["device"] == "cpu" and res["stages"] and all(s["rc"] == 0 for s in res["stages"])
     assert res["tests"]["tests"] >= 1 and res["tests"]["failures"] == res["tests"]["errors"] == 0
     deen = {row["method"]: row for row in res["bench"]["deen-k5"]["rows"]}
-    assert {"fairseq", "beam", "var-batch", "var-stream"} <= set(deen)
+    assert {"fairseq", "beam", "var-batch", "var-stream", "continuous"} <= set(deen)  # continuous: has-method
     assert deen["beam"]["identical_to_exact_ref"] == 1.0 and deen["fairseq"]["bleu"] == deen["beam"]["bleu"]
     gec = {row["method"]: row for row in res["bench"]["gec-iad-b1"]["rows"]}
     assert gec["iad"]["identical_to_exact_ref"] == 1.0 and gec["iad"]["accepted_per_pass"] > 1
@@ -70,6 +82,19 @@ def test_usage_errors_are_one_line(args, message):
     r = _script(*args, timeout=30)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("gpu_check.sh: ") and message in lines[0]
+
+
+def test_the_helper_is_a_tool_outside_the_package():
+    """scripts/gpu_check.py runs by its path (has-method reads the package's method list from the
+    checkout), and no module of the package names it."""
+    assert not list((REPO / "fairseq_streambeam").rglob("gpu_check*.py"))
+    for path in (REPO / "fairseq_streambeam").rglob("*.py"):
+        assert "gpu_check" not in path.read_text(encoding="utf-8"), f"{path} refers to the GPU-machine helper"
+    env = {**os.environ, "PYTHONPATH": ""}
+    r = subprocess.run([sys.executable, str(HELPER), "has-method", "continuous"], env=env, cwd="/", timeout=60)
+    assert r.returncode == 0
+    r = subprocess.run([sys.executable, str(HELPER), "has-method", "no-such-method"], env=env, cwd="/", timeout=60)
+    assert r.returncode == 1
 
 
 def _wheel(folder: Path, name: str, version: str, requires=(), members=("pkg/__init__.py",)) -> Path:

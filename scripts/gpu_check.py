@@ -1,16 +1,16 @@
 """Helpers of scripts/gpu_prepare.sh and scripts/gpu_check.sh: what a run on a GPU machine without
-network access carries there and what it brings back.
+network access carries there and what it brings back. A tool beside the package, not part of it:
+step-cost imports fairseq_streambeam (gpu_check.sh puts the checkout first on PYTHONPATH),
+has-method reads the checkout's benchmark method list, and nothing in the package imports this.
 
-  python fairseq_streambeam/bench/gpu_check.py slim-wheel WHEEL PREFIX...
-  python fairseq_streambeam/bench/gpu_check.py slim-checkpoint SRC DST [--dtype fp16|fp32]
-  python fairseq_streambeam/bench/gpu_check.py check-wheels DIR
-  python fairseq_streambeam/bench/gpu_check.py spm-encode MODEL IN OUT [--lines N]
-  python fairseq_streambeam/bench/gpu_check.py step-cost --data DIR --path CKPT -s L -t L --out FILE.json
-  python fairseq_streambeam/bench/gpu_check.py has-method NAME
-  python fairseq_streambeam/bench/gpu_check.py bench-config SRC DST [--drop NAME...]
-  python fairseq_streambeam/bench/gpu_check.py summarize WORK OUT [--print]
-
-(or `python -m fairseq_streambeam.bench.gpu_check ...`, which imports fairseq first.)
+  python scripts/gpu_check.py slim-wheel WHEEL PREFIX...
+  python scripts/gpu_check.py slim-checkpoint SRC DST [--dtype fp16|fp32]
+  python scripts/gpu_check.py check-wheels DIR
+  python scripts/gpu_check.py spm-encode MODEL IN OUT [--lines N]
+  python scripts/gpu_check.py step-cost --data DIR --path CKPT -s L -t L --out FILE.json
+  python scripts/gpu_check.py has-method NAME
+  python scripts/gpu_check.py bench-config SRC DST [--drop NAME...]
+  python scripts/gpu_check.py summarize WORK OUT [--print]
 
 The GPU machine has no network and no fairseq: wheels travel in .whl/, slimmed so that they and the
 checkpoints fit the 64 MiB that a run carries; `check-wheels` checks, before they travel, that every
@@ -54,6 +54,9 @@ sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tif
 torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split())
+
+# The benchmark's method variants, in the checkout this script belongs to.
+VARIANTS = Path(__file__).resolve().parent.parent / "fairseq_streambeam" / "bench" / "variants.py"
 
 # The GPU machines' interpreter, for evaluating requirement markers.
 IMAGE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
@@ -246,11 +249,12 @@ def step_cost(data: str, path: str, src_lang: str, tgt_lang: str, rows: Sequence
 
 
 def builtin_methods() -> set:
-    """The benchmark's built-in method names, read from bench/variants.py (standard library only)
-    without importing the package, which imports fairseq."""
+    """The benchmark's built-in method names, read from the checkout's
+    fairseq_streambeam/bench/variants.py (standard library only) without importing the package,
+    which imports fairseq."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_bench_variants", Path(__file__).with_name("variants.py"))
+    spec = importlib.util.spec_from_file_location("_bench_variants", VARIANTS)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses looks its module up while building Variant
     spec.loader.exec_module(module)
@@ -534,8 +538,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    # run by path (as the scripts do, to summarize without importing fairseq): this folder's modules
-    # must not shadow top-level ones
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.exit(main())
