@@ -20,6 +20,7 @@ all shards done merges (merging is idempotent).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import hashlib
 import json
@@ -29,6 +30,9 @@ import time
 import typing
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from .options import plugin_fields
+from .spec import DECODINGS, UsageError, check_files, flag, from_cli
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
@@ -40,12 +44,19 @@ _ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accep
 # decode_corpus's own default and choices for the task's --decoding: streaming by default, and not
 # `fairseq` (fairseq's stock generator keeps no counters for the shard records)
 DECODING_DEFAULT = "var-stream"
-DECODING_CHOICES = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream", "iad", "gad")
+DECODING_CHOICES = tuple(d for d in DECODINGS if d != "fairseq")
+
+
+# fairseq-generate's generation options that the plugin's decodings take, with fairseq's defaults
+# and help (--prefix-size needs reference targets, which a raw corpus does not have)
+GENERATION_OPTIONS = ("beam", "nbest", "lenpen", "unkpen", "max_len_a", "max_len_b", "min_len", "temperature",
+                      "unnormalized", "no_repeat_ngram_size", "match_source_len")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.decode_corpus",
-                                description=__doc__.split("\n\n")[0])
+    """The command line, checked before anything loads or is written: a usage mistake is one line
+    `prog: error: ...` and exit status 2."""
+    p = argparse.ArgumentParser(prog="streambeam-decode-corpus", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="raw text file(s), read as one stream of lines")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--data", required=True, help="directory with the model's dictionaries")
@@ -57,40 +68,72 @@ def parse_args(argv=None):
     p.add_argument("--bpe-codes")
     p.add_argument("--sentencepiece-model")
     p.add_argument("--shard-lines", type=int, default=100_000)
-    p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--lenpen", type=float, default=1.0)
-    p.add_argument("--max-len-a", type=float, default=0)
-    p.add_argument("--max-len-b", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (set explicitly)")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even when present")
+    p.add_argument("--fp16", action="store_true", help="half-precision models (on CUDA); scores stay float32")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_generation_options(p.add_argument_group("fairseq-generate's generation options (--nbest N writes the N "
+                                                "best of a line on that line, tab-separated)"))
     add_task_options(p.add_argument_group("decoding options of --task streambeam_translation"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except UsageError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    return args
+
+
+def check_args(args) -> None:
+    """Every check that needs no model: the decoding spec (spec.from_cli), the files it names,
+    this command's own ranges, and that the inputs, dictionaries and checkpoints exist."""
+    check_files(from_cli(args, args))
+    for name in ("shard_lines", "batch_size", "max_tokens", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise UsageError(f"--input {path}: no such file")
+    if not os.path.isdir(args.data):
+        raise UsageError(f"--data {args.data}: no such directory")
+    for path in args.path.split(":"):
+        if not os.path.isfile(path):
+            raise UsageError(f"--path {path}: no such file")
+
+
+def add_generation_options(p) -> None:
+    """fairseq's GenerationConfig fields in GENERATION_OPTIONS, with its types, defaults and help."""
+    from fairseq.dataclass.configs import GenerationConfig
+
+    fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
+    for name in GENERATION_OPTIONS:
+        f = fields[name]
+        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
+        if f.type is bool:
+            p.add_argument(flag(name), action="store_true", help=help_text)
+        else:
+            p.add_argument(flag(name), type=f.type, default=f.default, help=help_text)
 
 
 def add_task_options(p) -> None:
     """Every option the plugin adds to its task (options.plugin_fields), with the task's types,
     defaults and help: the task's dataclass is the one list, so the two cannot drift apart."""
-    from fairseq_streambeam.options import plugin_fields
-
     for f in plugin_fields():
-        flag = "--" + f.name.replace("_", "-")
         help_text = str(f.metadata.get("help", "")).replace("%", "%%")
         kind, default = f.type, f.default
         if f.name == "decoding":
-            p.add_argument(flag, default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
+            p.add_argument(flag(f.name), default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
         elif isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum
-            p.add_argument(flag, default=default, choices=[str(c.value) for c in kind], help=help_text)
+            p.add_argument(flag(f.name), default=default, choices=[str(c.value) for c in kind], help=help_text)
         elif kind is bool:
-            action = "store_true" if default is False else argparse.BooleanOptionalAction
-            p.add_argument(flag, action=action, default=default, help=help_text)
+            p.add_argument(flag(f.name), action="store_true", default=default, help=help_text)
         else:
             inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
             if len(inner) != 1 or inner[0] not in (int, float, str):
                 raise TypeError(f"decode_corpus cannot expose task option {f.name} of type {kind}")
-            p.add_argument(flag, type=inner[0], default=default, help=help_text)
+            p.add_argument(flag(f.name), type=inner[0], default=default, help=help_text)
 
 
 # ---- input and bookkeeping (no model) ----------------------------------------------------------
@@ -195,31 +238,18 @@ class ShardDecoder:
 
     def __init__(self, args):
         import torch
-        from fairseq import checkpoint_utils, utils
 
-        import fairseq_streambeam  # noqa: F401
-        from fairseq_streambeam.options import StreamBeamConfig, plugin_fields
-        from fairseq_streambeam.task import StreamBeamTranslationTask
-        from fairseq_streambeam.textio import TextCodec
+        from .loader import load_models, load_task
+        from .textio import TextCodec
 
         torch.set_num_threads(args.threads)
-        cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
-                               train_subset="train", dataset_impl=None, required_seq_len_multiple=1,
-                               **{f.name: getattr(args, f.name) for f in plugin_fields()})
-        self.task = StreamBeamTranslationTask.setup_task(cfg)
-        self.models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=self.task)
+        self.task = load_task(args.data, args.source_lang, args.target_lang,
+                              **{f.name: getattr(args, f.name) for f in plugin_fields()})
         self.cuda = torch.cuda.is_available() and not args.cpu
-        for m in self.models:
-            m.eval()
-            if self.cuda:
-                m.cuda()
+        self.models = load_models(self.task, args.path, self.cuda, args.fp16 and self.cuda)
         self.codec = TextCodec(self.task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
         self.args = args
         self.max_src = min(m.max_positions()[0] for m in self.models)
-        gen_args = argparse.Namespace(beam=1 if args.decoding in ("greedy", "iad", "gad") else args.beam,
-                                      lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                                      min_len=1, unkpen=0, temperature=1.0, nbest=1, unnormalized=False)
-        self.gen_args = gen_args
         self.gen = None  # built once, at the first shard (batching sets the live budget first)
 
     def decode(self, raw: List[bytes], progress) -> Tuple[List[str], dict, dict]:
@@ -247,7 +277,7 @@ class ShardDecoder:
         itr = self.task.get_batch_iterator(ds, max_sentences=self.args.batch_size, max_tokens=self.args.max_tokens,
                                            disable_iterator_cache=True).next_epoch_itr(shuffle=False)
         if self.gen is None:
-            self.gen = self.task.build_generator(self.models, self.gen_args)
+            self.gen = self.task.build_generator(self.models, self.args)  # generation options: the args
         gen = self.gen
         before = gen.counters.as_dict()
         out: Dict[int, str] = {}
@@ -256,7 +286,8 @@ class ShardDecoder:
                 sample = utils.move_to_cuda(sample)
             hypos = self.task.inference_step(gen, self.models, sample)
             for i, sid in enumerate(sample["id"].tolist()):
-                out[sid] = self.codec.decode(hypos[i][0]["tokens"].tolist()).replace("\n", " ")
+                best = hypos[i][: self.args.nbest]
+                out[sid] = "\t".join(self.codec.decode(h["tokens"].tolist()).replace("\n", " ") for h in best)
             progress.update(len(hypos))
         after = gen.counters.as_dict()
         counters = {k: round(after[k] - before[k], 3) for k in after

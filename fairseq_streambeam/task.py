@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationTask
@@ -19,25 +20,16 @@ from .drafters.block_model import ModelDrafter
 from .drafters.input_copy import InputCopyDrafter
 from .drafters.ngram_lookup import LOOKUP_BLOCK, LookupDrafter, NgramTable
 from .generators.aggressive import AggressiveGenerator
-from .generators.stream_beam import STREAMING, StreamBeamGenerator
+from .generators.stream_beam import StreamBeamGenerator
 from .models.block_drafter import load_drafter
-from .options import (
-    StreamBeamConfig,
-    check_at_parse_time,
-    check_generation_options,
-    check_options,
-    install_usage_error_hook,
-    unsupported_generation_options,
-)
+from .options import StreamBeamConfig, check_at_parse_time, install_usage_error_hook
+from .runtime.counters import Counters
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
 from .scorers.masks import TokenMaskScorer, load_masks
+from .spec import DecodeSpec, check_files, from_cli
 
 logger = logging.getLogger("fairseq_streambeam")
-
-# --draft-min-reach when not given: a drafter's late slots are rarely reached, while iad's copied drafts
-# are usually right (the measurements: docs/benchmarks.md, "Measurements behind the defaults").
-AUTO_MIN_REACH = {"gad": 0.25, "iad": 0.0}
 
 
 @register_task("streambeam_translation", dataclass=StreamBeamConfig)
@@ -54,22 +46,20 @@ class StreamBeamTranslationTask(TranslationTask):
 
     def __init__(self, cfg: StreamBeamConfig, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
-        check_options(cfg)  # before a model loads; the generation options come with build_generator
+        # before a model loads; the generation options come with build_generator
+        self.spec: DecodeSpec = from_cli(cfg)
+        check_files(self.spec)
         self.budget: Budget | None = None
         self._drafters: dict = {}  # (path, device, dtype) -> block_drafter; ("lookup", path, order) -> NgramTable
-
-    @property
-    def streaming(self) -> bool:
-        return str(self.cfg.decoding) in (*STREAMING, "iad", "gad")
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
         """fairseq's batching with two changes: required_batch_size_multiple is 1, because
         fairseq's batch_by_size silently drops a last batch that is not a multiple of it (fairseq
-        issues #5036, #5351); and streaming modes get windows of `stream_window` batches."""
-        self.budget = Budget(max_sentences, max_tokens, self.cfg.stream_candidates)
-        if self.streaming:
-            w = self.cfg.stream_window
+        issues #5036, #5351); and streaming decodings get windows of `stream_window` batches."""
+        self.budget = Budget(max_sentences, max_tokens, self.spec.stream_candidates)
+        if self.spec.kind.streaming:
+            w = self.spec.stream_window
             max_tokens = None if max_tokens is None else max_tokens * w
             max_sentences = None if max_sentences is None else max_sentences * w
         return super().get_batch_iterator(
@@ -78,75 +68,45 @@ class StreamBeamTranslationTask(TranslationTask):
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
-        check_options(self.cfg)  # again: a Python caller (the bench) may have changed cfg since __init__
-        check_generation_options(self.cfg, args)
-        if str(self.cfg.decoding) == "fairseq":
-            return super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
-                                           extra_gen_cls_kwargs=extra_gen_cls_kwargs,
-                                           prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-        bad = unsupported_generation_options(args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
-                                             str(self.cfg.decoding))
-        if bad:  # what a Python caller passes beside the options (an LM model, a prefix function)
-            raise ValueError(f"--decoding {self.cfg.decoding} does not support {', '.join(bad)}; "
-                             "use --decoding fairseq for those")
-        if str(self.cfg.decoding) in ("iad", "gad"):
-            return self._aggressive_generator(models, args)
-        beam, nbest = getattr(args, "beam", 5), getattr(args, "nbest", 1)
-        gen = StreamBeamGenerator(
-            models, self.target_dictionary,
-            beam_size=beam,
-            **_fairseq_generation_kwargs(args),
-            nbest=nbest,
-            finish_count=self.cfg.finish_count,
-            decoding=str(self.cfg.decoding),  # fairseq ChoiceEnum members -> plain strings
-            delta=self.cfg.prune_abs_threshold,
-            max_cands=self.cfg.prune_max_cands,
-            finalize=str(self.cfg.finalize),
-            stream_order=str(self.cfg.stream_order),
-            stream_admit=str(self.cfg.stream_admit),
-            budget=self.budget,
-            refill_eps=self.cfg.refill_eps,
-            max_wait=self.cfg.max_wait_steps,
-            profile=self.cfg.stream_profile,
-            no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0) or 0,
-            match_source_len=bool(getattr(args, "match_source_len", False)),
-            print_alignment=getattr(args, "print_alignment", None) or None,
-            lm_model=(extra_gen_cls_kwargs or {}).get("lm_model"),  # fairseq-generate loads --lm-path
-            lm_weight=(extra_gen_cls_kwargs or {}).get("lm_weight", 1.0),
-            scorers=self._scorers(len(models)),
-        )
-        _report_at_exit(gen, gen.mode.name)
+        """The generator of the task's options and fairseq's generation options `args`."""
+        lm_model = (extra_gen_cls_kwargs or {}).get("lm_model")  # fairseq-generate loads --lm-path
+        spec = from_cli(self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+        if spec.decoding == "fairseq":
+            gen = super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
+                                          extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+                                          prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+            gen.counters = Counters()  # fairseq's generator counts nothing: inference_step counts for it
+            _report_at_exit(gen, "fairseq")
+            return gen
+        return self.generator_for(models, spec, lm_model=lm_model)
+
+    def generator_for(self, models, spec: DecodeSpec, drafter=None, lm_model=None):
+        """The plugin's generator for `spec` (its decoding's family), with the drafter and scorers
+        its options name; `drafter` replaces the one they name. Batching follows `spec` from now on."""
+        check_files(spec)
+        self.spec = spec
+        d = self.target_dictionary
+        if spec.kind.family == "draft":
+            gen = AggressiveGenerator(models, d, spec, drafter or self._drafter(spec, models[0]), self.budget)
+        else:
+            gen = StreamBeamGenerator(models, d, spec, self._scorers(spec, len(models)), self.budget, lm_model)
+        _report_at_exit(gen, spec.decoding)
         return gen
 
-    def _aggressive_generator(self, models, args):
-        c, name = self.cfg, str(self.cfg.decoding)  # options checked by check_options
-        if name == "gad":
-            if c.drafter:
-                drafter = ModelDrafter(self._drafter_model(c.drafter, models[0]), self.target_dictionary,
-                                       c.block_size)
-            else:
-                drafter = self._lookup_drafter(c.draft_lookup, c.draft_lookup_order, c.block_size)
-        else:
+    def _drafter(self, spec: DecodeSpec, model):
+        if spec.decoding == "iad":
             src_d, tgt_d = self.source_dictionary, self.target_dictionary
             # separate dictionaries (e.g. WMT'19 Ru-En): copy each source token as the target token it spells
             vocab_map = None if src_d.symbols == tgt_d.symbols else [tgt_d.index(w) for w in src_d.symbols]
-            drafter = InputCopyDrafter(c.iad_ngram, c.block_size, vocab_map=vocab_map)
-        gen = AggressiveGenerator(
-            models, self.target_dictionary, **_fairseq_generation_kwargs(args), drafter=drafter,
-            budget=self.budget, refill_eps=c.refill_eps, beta=c.gad_beta, tau=c.gad_tau,
-            draft_min_reach=c.draft_min_reach if c.draft_min_reach is not None else AUTO_MIN_REACH[name],
-            draft_switch=name == "gad" and c.gad_beta == 1 and not c.no_draft_switch,
-        )
-        _report_at_exit(gen, name)
-        return gen
-
-    def _lookup_drafter(self, path: str, order: int, block_size: int) -> LookupDrafter:
-        """The n-gram table of `path`, built once per task (a benchmark builds a generator per repeat)."""
-        key = ("lookup", path, order)
+            return InputCopyDrafter(spec.iad_ngram, spec.block_size, vocab_map=vocab_map)
+        if spec.drafter:
+            return ModelDrafter(self._drafter_model(spec.drafter, model), self.target_dictionary, spec.block_size)
+        key = ("lookup", spec.draft_lookup, spec.draft_lookup_order)  # built once per task (a bench repeats)
         if key not in self._drafters:
-            self._drafters[key] = NgramTable.from_file(path, self.target_dictionary, order)
+            self._drafters[key] = NgramTable.from_file(spec.draft_lookup, self.target_dictionary,
+                                                       spec.draft_lookup_order)
         d = self.target_dictionary
-        return LookupDrafter(self._drafters[key], bos=d.eos(), eos=d.eos(), block_size=block_size or LOOKUP_BLOCK)
+        return LookupDrafter(self._drafters[key], bos=d.eos(), eos=d.eos(), block_size=spec.block_size or LOOKUP_BLOCK)
 
     def _drafter_model(self, path: str, like):
         """The drafter checkpoint on the verifier's device and dtype, loaded once per task (a
@@ -159,7 +119,7 @@ class StreamBeamTranslationTask(TranslationTask):
 
     _lmbr_loaded: tuple | None = None  # (path, mtime, size, posteriors) of the last posteriors file read
 
-    def _lmbr_posteriors(self, path: str) -> dict:
+    def lmbr_posteriors(self, path: str) -> dict:
         """The posteriors of `path`, parsed once per task while the file stays the same (a benchmark
         builds a generator per repeat and must not time the parsing; the tuner rewrites its file)."""
         st = os.stat(path)
@@ -168,34 +128,30 @@ class StreamBeamTranslationTask(TranslationTask):
             self._lmbr_loaded = (*key, load_posteriors(path))
         return self._lmbr_loaded[3]
 
-    def _scorers(self, n_models: int) -> list:
+    def _scorers(self, spec: DecodeSpec, n_models: int) -> list:
         """Per-step scorers, in order: LMBR posteriors (Iglesias et al. 2018 defaults), then token
         masks (so a masked token stays -inf whatever LMBR adds)."""
-        c, d = self.cfg, self.target_dictionary
+        d = self.target_dictionary
         out = []
-        if c.lmbr_posteriors:
-            theta = Theta.linear_bleu(c.lmbr_p, c.lmbr_r, theta0=c.lmbr_theta0)
-            lam = 1.0 / n_models if c.lmbr_lambda is None else c.lmbr_lambda
-            out.append(LMBRScorer(self._lmbr_posteriors(c.lmbr_posteriors), theta, lam, d.pad()))
-        if c.token_masks:
-            out.append(TokenMaskScorer(load_masks(c.token_masks), d.eos(), d.pad()))
+        if spec.lmbr_posteriors:
+            theta = Theta.linear_bleu(spec.lmbr_p, spec.lmbr_r, theta0=spec.lmbr_theta0)
+            lam = 1.0 / n_models if spec.lmbr_lambda is None else spec.lmbr_lambda
+            out.append(LMBRScorer(self.lmbr_posteriors(spec.lmbr_posteriors), theta, lam, d.pad()))
+        if spec.token_masks:
+            out.append(TokenMaskScorer(load_masks(spec.token_masks), d.eos(), d.pad()))
         return out
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
-        if isinstance(generator, (StreamBeamGenerator, AggressiveGenerator)) and self.budget is not None:
+        ours = isinstance(generator, (StreamBeamGenerator, AggressiveGenerator))
+        if ours and self.budget is not None:
             generator.scheduler.budget = self.budget  # live budget = this run's --batch-size/--max-tokens
-        return super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens,
-                                      constraints=constraints)
-
-
-def _fairseq_generation_kwargs(args) -> dict:
-    """fairseq's generation options (GenerationConfig or a Namespace) as generator arguments."""
-    return dict(
-        max_len_a=getattr(args, "max_len_a", 0), max_len_b=getattr(args, "max_len_b", 200),
-        max_len=getattr(args, "max_len", 0) or 0, min_len=getattr(args, "min_len", 1),
-        normalize_scores=not getattr(args, "unnormalized", False), len_penalty=getattr(args, "lenpen", 1),
-        unk_penalty=getattr(args, "unkpen", 0), temperature=getattr(args, "temperature", 1.0),
-    )
+        t = time.perf_counter()
+        out = super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens, constraints=constraints)
+        counters = getattr(generator, "counters", None)
+        if not ours and counters is not None:  # fairseq's generator: sentences and time only
+            counters.sentences += len(out)
+            counters.total_seconds += time.perf_counter() - t
+        return out
 
 
 def _report_at_exit(gen, name: str) -> None:

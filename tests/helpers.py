@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+import numpy as np
 import pytest
 import torch
 from fairseq import checkpoint_utils
@@ -18,6 +19,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 import fairseq_streambeam  # noqa: F401  (registers the task, safe globals)
 from fairseq_streambeam import StreamBeamGenerator
+from fairseq_streambeam.generators.aggressive import Block
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -148,3 +150,10 @@ def run_cli(args, env_extra=None, **kw):
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin",
            **(env_extra or {})}
     return subprocess.run(args, capture_output=True, text=True, env=env, **kw)
+
+
+def block_of(tokens: torch.Tensor, pad=None) -> Block:
+    """A verification block of `tokens` [N, m] with host padding `pad` (none by default)."""
+    pad = np.zeros(tuple(tokens.shape), dtype=bool) if pad is None else np.asarray(pad)
+    zeros = np.zeros(pad.shape, dtype=np.int64)
+    return Block(tokens, [int((~p[1:]).sum()) for p in pad], pad, zeros, zeros.astype(bool), None, None, None)

@@ -13,6 +13,7 @@ from helpers import (
     N_TEST,
     REPO,
     assert_same_hypos,
+    block_of,
     fairseq_generate,
     load_checkpoints,
     make_dict,
@@ -26,6 +27,7 @@ from helpers import (
 from fairseq_streambeam import Budget
 from fairseq_streambeam.drafters.input_copy import CopyState, InputCopyDrafter
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+from fairseq_streambeam.runtime.kv_cache import KVCache
 
 D = make_dict(30)
 
@@ -67,14 +69,15 @@ class OracleDrafter(InputCopyDrafter):
         st.pos += len(accepted)
 
 
-def test_long_accepts_and_rollbacks_with_compaction():
+def test_long_accepts_and_rollbacks_with_compaction(monkeypatch):
+    monkeypatch.setattr(KVCache, "compact_slack", 0)  # compact as soon as any slot is masked
     m = random_transformer(D, 70, eos_bias=1.0).double()
     sents = random_sentences(D, 8, 71, max_len=14)
     s = make_sample(D, sents)
     ref = fairseq_generate([m], D, s, beam_size=1, max_len_b=25)
     src_rows = [s["net_input"]["src_tokens"][i] for i in range(len(sents))]
     truth = {tuple(r[r.ne(D.pad())].tolist()): h[0]["tokens"].tolist() for r, h in zip(src_rows, ref)}
-    got, gen = iad([m], s, max_len_b=25, budget=Budget(3), drafter=OracleDrafter(truth), compact_slack=0)
+    got, gen = iad([m], s, max_len_b=25, budget=Budget(3), drafter=OracleDrafter(truth))
     assert_same_hypos(ref, got)
     assert gen.counters.accepted_per_pass > 2  # the drafts were really accepted in blocks
 
@@ -238,11 +241,10 @@ def test_forced_eos_not_allowed_asks_for_the_full_path():
     lp = torch.log_softmax(torch.randn(1, 3, 30), -1)
     lp[0, 1, D.eos()] = -math.inf
     forced = torch.tensor([[False, True, True]])
-    packed = gen._accept(lp.view(3, 30), torch.tensor([[5, 6, 7]]), torch.zeros(1, 3, dtype=torch.bool),
-                         forced.view(3))
-    assert packed[0, 0].tolist()[1:] == [D.eos(), D.eos()]  # forced EOS wherever the limit is reached
-    assert math.isnan(packed[1, 0, 1]) and packed[1, 0, 2] == lp[0, 2, D.eos()]
-    assert packed[1, 0, 0] == lp[0, 0].max()
+    v = gen._accept(lp.view(3, 30), block_of(torch.tensor([[5, 6, 7]])), forced.view(3).numpy())
+    assert v.best[0].tolist()[1:] == [D.eos(), D.eos()]  # forced EOS wherever the limit is reached
+    assert math.isnan(v.best_lp[0, 1]) and v.best_lp[0, 2] == lp[0, 2, D.eos()]
+    assert v.best_lp[0, 0] == lp[0, 0].max()
 
 
 @pytest.mark.parametrize("block", [0, 2])

@@ -47,12 +47,12 @@ def test_dictionary_mismatch_is_a_clear_error():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(decoding="nope"), "unknown --decoding"),
-    (dict(decoding="beam", delta=1.0), "only apply to var-batch"),
-    (dict(decoding="var-batch", delta=0.0), "delta"),
-    (dict(decoding="var-batch", max_cands=-1), "prune-max-cands"),
+    (dict(decoding="nope"), "--decoding must be one of"),
+    (dict(decoding="beam", prune_abs_threshold=1.0), "applies to var-batch and var-stream"),
+    (dict(decoding="var-batch", prune_abs_threshold=0.0), "prune-abs-threshold"),
+    (dict(decoding="var-batch", prune_max_cands=-1), "prune-max-cands"),
     (dict(decoding="var-stream", refill_eps=2.0), "refill-eps"),
-    (dict(decoding="var-stream", finalize="never"), "finalization rule"),
+    (dict(decoding="var-stream", finalize="never"), "--finalize must be one of"),
     (dict(decoding="var-stream", stream_order="random"), "stream-order"),
     (dict(decoding="var-stream", stream_admit="random"), "stream-admit"),
     (dict(min_len=50, max_len_b=10), "min-len"),

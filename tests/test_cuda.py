@@ -119,20 +119,20 @@ def on_device():
 #
 # Beam search, StreamBeamGenerator._step (generators/stream_beam.py): a decoder step of
 # fixed-width beam search in which no source finishes makes exactly
-#   1 device-to-host copy: the packed decisions (`torch.cat([...]).cpu()`, "the one host sync of
-#     the step"), and
+#   1 device-to-host copy: the step's decisions (`StepHost`, one `to_host` in generators/common.py,
+#     "the one host sync of the step"), and
 #   5 host-to-device uploads of index arrays computed on the host from it (`torch.from_numpy(...)
-#     .to(dev)`): kept positions, their parents, each kept row's source, the live mask, the rows
-#     the decoder cache keeps,
+#     .to(dev)`, in _advance): kept positions, their parents, each kept row's source, the live mask,
+#     the rows the decoder cache keeps,
 # and nothing else in this package synchronizes on such a step (search/, scorers/, runtime/). A step
 # where sources finish adds uploads for the finished hypotheses (_hypotheses: 3) and the remaining
 # sources (1).
-STEADY_STEP_SYNCS = {"stream_beam.py:_step": 6}
+STEADY_STEP_SYNCS = {"common.py:to_host": 1, "stream_beam.py:_advance": 5}
 FINISHING_STEP_MAX = 6 + 3 + 1
 #
 # The continuous order (var-stream, stream_order="continuous"): one ragged cohort, every row at its
 # own step. A step in which no source finishes, no source was admitted just before, and every row
-# is live (no finished row carried: none has ended yet) makes the same 6, all in _step:
+# is live (no finished row carried: none has ended yet) makes the same 6, in to_host and _advance:
 #   _ragged_lprobs reads the furthest step off the host mirror (steps_h) and hands it to the block
 #     step (`max_position`), which then reads no position back; BlockDecoder.positions grows its
 #     table with device fills (fairseq's sinusoidal table, when it grows, is fairseq's: other:);
@@ -146,7 +146,7 @@ FINISHING_STEP_MAX = 6 + 3 + 1
 #     masked slots off the cache as a view, by the host count `top` (nothing read back).
 # A step where sources finish adds at most 3 (_hypotheses of the final ones) + 3 (_hypotheses of
 # an improved backoff) + 1 (SourceState.select, rows.py) + 1 (KVCache.select_sources' rows).
-CONTINUOUS_STEADY_STEP_SYNCS = {"stream_beam.py:_step": 6}
+CONTINUOUS_STEADY_STEP_SYNCS = {"common.py:to_host": 1, "stream_beam.py:_advance": 5}
 CONTINUOUS_FINISHING_STEP_MAX = 6 + 3 + 3 + 1 + 1
 #
 # Aggressive decoding, AggressiveGenerator._pass (generators/aggressive.py), IAD with the default
@@ -154,13 +154,13 @@ CONTINUOUS_FINISHING_STEP_MAX = 6 + 3 + 3 + 1 + 1
 # row finishes, with drafts of lengths `lens` (d = max(lens); the block is "padded" when some row
 # drafts fewer than d tokens), makes
 #   1 upload of the drafts (drafters/base.py pad_drafts; none when d = 0: the copy is empty),
-#   1 upload of each row's last token (_pass, `last.to(dev)`),
-#   2 more when padded: the block's padding mask (_pass) and the real slots' indices (Slots.real,
+#   1 upload of each row's last token (_propose, `last.to(dev)`),
+#   2 more when padded: the block's padding mask (_propose) and the real slots' indices (Slots.real,
 #     runtime/lean_layer.py, found on the host),
 #   1 upload of the slots' target positions (_verify, `steps_d`; the block step gets the largest
 #     position from the host),
-#   1 copy to the host of each slot's top-1, its log-prob and the block (_accept, "the one host sync
-#     of the pass"; a NaN there, never met here, redoes it),
+#   1 copy to the host of each slot's top-1, its log-prob and the block (_accept's `to_host` in
+#     generators/common.py, "the one host sync of the pass"; a NaN there, never met here, redoes it),
 #   1 upload of the rejected slots' mask (KVCache.rollback; a lone row cuts its cache instead),
 # that is 5 + 2 when padded, less one for a lone row or no draft; a pass whose cache has outgrown
 # twice the longest output plus the slack also compacts it, counting its valid slots on the host
@@ -174,7 +174,7 @@ def _designed_pass_syncs(rows: int, lens: list) -> Counter:
     no row finishes, compaction apart (see above)."""
     d = max(lens, default=0)
     padded = min(lens, default=0) < d
-    want = Counter({"aggressive.py:_pass": 1 + padded, "aggressive.py:_verify": 1, "aggressive.py:_accept": 1,
+    want = Counter({"aggressive.py:_propose": 1 + padded, "aggressive.py:_verify": 1, "common.py:to_host": 1,
                     "base.py:pad_drafts": int(d > 0), "lean_layer.py:real": int(padded),
                     "kv_cache.py:rollback": int(rows > 1)})
     return +want  # zero entries dropped

@@ -120,7 +120,7 @@ CASES = [  # k, z, delta, M, decoding
 def test_finished_lists_equal_the_plain_reference(k, z, delta, m, decoding):
     kw = dict(beam_size=k, max_len_b=MAX_LEN, len_penalty=0.8, finish_count=z, finalize="sticky")
     if decoding.startswith("var-"):
-        kw.update(delta=delta, max_cands=m)
+        kw.update(prune_abs_threshold=delta, prune_max_cands=m)
     got, gen = ours(MODELS, D, SAMPLE, decoding=decoding, **kw)
     assert gen.finalizer.target == z
     n_hypos = []
@@ -144,7 +144,7 @@ def test_finished_lists_equal_the_plain_reference(k, z, delta, m, decoding):
 
 def test_finish_count_changes_the_output():
     """z = 1 stops a source at its first final hypothesis; z = k may find a better one."""
-    kw = dict(beam_size=6, max_len_b=MAX_LEN, len_penalty=1.0, delta=2.0, max_cands=5)
+    kw = dict(beam_size=6, max_len_b=MAX_LEN, len_penalty=1.0, prune_abs_threshold=2.0, prune_max_cands=5)
     one = ours(MODELS, D, SAMPLE, decoding="var-batch", finish_count=1, **kw)[0]
     k = ours(MODELS, D, SAMPLE, decoding="var-batch", **kw)[0]
     assert all(len(h) == 1 for h in one)
@@ -232,20 +232,20 @@ def test_bench_finish_count_setting_and_variant(tiny_run, tmp_path):
     seen = []
     from fairseq_streambeam.task import StreamBeamTranslationTask
 
-    build = StreamBeamTranslationTask.build_generator
+    build = StreamBeamTranslationTask.generator_for
 
-    def spy(self, models, args, *a, **kw):
-        gen = build(self, models, args, *a, **kw)
-        seen.append((str(self.cfg.decoding), gen.finalizer.target))
+    def spy(self, models, spec, *a, **kw):
+        gen = build(self, models, spec, *a, **kw)
+        seen.append((spec.decoding, gen.finalizer.target))
         return gen
 
-    StreamBeamTranslationTask.build_generator = spy
+    StreamBeamTranslationTask.generator_for = spy
     try:
         rows = bench_main(["--data", str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt", "--post-process",
                            "none", "--out", str(tmp_path / "out"), "--quiet", "--limit", "12", "--no-plots",
                            "--config", str(cfg), "--baseline", "beam"])
     finally:
-        StreamBeamTranslationTask.build_generator = build
+        StreamBeamTranslationTask.generator_for = build
     assert [r["method"] for r in rows] == ["beam", "var-batch", "var-batch[z=1]", "var-batch[z=4]"]
     assert seen == [("beam", 4), ("var-batch", 2), ("var-batch", 1), ("var-batch", 4)]
     assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"]["finish_count"] == 2

@@ -16,6 +16,7 @@ from helpers import (
     N_TEST,
     REPO,
     assert_same_hypos,
+    block_of,
     fairseq_generate,
     load_checkpoints,
     make_dict,
@@ -31,6 +32,7 @@ from fairseq_streambeam.drafters.block_model import ModelDrafter
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.models.block_drafter import training_blocks
 from fairseq_streambeam.runtime.draft_budget import DraftSwitch
+from fairseq_streambeam.runtime.kv_cache import KVCache
 from fairseq_streambeam.runtime.scheduler import Budget
 
 D = make_dict(30)
@@ -38,6 +40,7 @@ PLUGIN = str(REPO / "fairseq_streambeam")  # --user-dir, whatever the working di
 
 
 def gad(models, sample, drafter, k=3, n=4, **kw):
+    kw = {"decoding": "gad", "draft_min_reach": 0.0, "draft_switch": False, **kw}
     gen = AggressiveGenerator(models, D, drafter=ModelDrafter(drafter, D, k), budget=Budget(n), **kw)
     return gen.generate(models, sample), gen
 
@@ -99,7 +102,8 @@ class Recording(ModelDrafter):
 
 
 @pytest.mark.parametrize("skips", [None, "drop", 0])
-def test_drafter_cache_equals_recomputing_every_draft(skips):
+def test_drafter_cache_equals_recomputing_every_draft(skips, monkeypatch):
+    monkeypatch.setattr(KVCache, "compact_slack", 0)
     """Incremental drafting (pending tokens, cut mask slots, merges, dropped rows, compaction) drafts
     exactly what one uncached pass over [BOS + output, MASK x k] drafts; also when passes go without
     drafts (`skips`: pending tokens pile up, groups are built late; at a merge a built group drops
@@ -107,9 +111,10 @@ def test_drafter_cache_equals_recomputing_every_draft(skips):
     m = random_transformer(D, 30, eos_bias=1.0).double()
     dr = random_drafter(D, 31, k=3, layers=2).double()
     s = make_sample(D, random_sentences(D, 9, 32))
-    rec = Recording(dr, D, 3, compact_slack=0)
+    rec = Recording(dr, D, 3)
     rec.seen = []
-    gen = AggressiveGenerator([m], D, drafter=rec, budget=Budget(3), max_len_b=20, draft_switch=skips is not None,
+    gen = AggressiveGenerator([m], D, drafter=rec, budget=Budget(3), max_len_b=20, decoding="gad",
+                              draft_switch=skips is not None,
                               refill_eps=0.9)
     events = []
     if skips is not None:
@@ -138,7 +143,8 @@ def test_drafter_cache_equals_recomputing_every_draft(skips):
 
 def test_gad_plus_plus_acceptance_rule():
     m = random_transformer(D, 40)
-    gen = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D), beta=2, tau=1.0)
+    gen = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D), decoding="gad",
+                              gad_beta=2, gad_tau=1.0)
     lp = torch.full((1, 4, 30), -10.0)
     # slot 0: draft 5 is 2nd best, 0.5 below top-1 -> accepted; slot 1: draft 6 is top-1 -> accepted;
     # slot 2: draft 7 is 2nd best but 2.0 below top-1 -> rejected (tau); the verifier's top-1 follows
@@ -147,15 +153,15 @@ def test_gad_plus_plus_acceptance_rule():
     lp[0, 2, 8], lp[0, 2, 7] = -0.2, -2.2
     block = torch.tensor([[2, 5, 6, 7]])
     lp = lp.view(4, 30)  # [N*m, V]
-    packed = gen._accept(lp, block, torch.zeros(1, 4, dtype=torch.bool))
-    assert int(packed[4, 0, 0]) == 2
-    assert packed[0, 0].tolist()[:3] == [9, 6, 8]
+    v = gen._accept(lp, block_of(block))
+    assert int(v.accepted[0]) == 2
+    assert v.best[0].tolist()[:3] == [9, 6, 8]
     strict = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D))
-    assert int(strict._accept(lp, block, torch.zeros(1, 4, dtype=torch.bool))[4, 0, 0]) == 0
-    loose = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D), beta=2)
-    assert int(loose._accept(lp, block, torch.zeros(1, 4, dtype=torch.bool))[4, 0, 0]) == 3
-    padded = torch.tensor([[False, False, True, True]])  # a draft of one token: at most one accepted
-    assert int(loose._accept(lp, block, padded)[4, 0, 0]) == 1
+    assert int(strict._accept(lp, block_of(block)).accepted[0]) == 0
+    loose = AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 41), D), decoding="gad", gad_beta=2)
+    assert int(loose._accept(lp, block_of(block)).accepted[0]) == 3
+    padded = [[False, False, True, True]]  # a draft of one token: at most one accepted
+    assert int(loose._accept(lp, block_of(block, padded)).accepted[0]) == 1
 
 
 def test_gad_plus_plus_runs_and_accepts_more():
@@ -163,7 +169,7 @@ def test_gad_plus_plus_runs_and_accepts_more():
     dr = random_drafter(D, 51, k=4).double()
     s = make_sample(D, random_sentences(D, 10, 52))
     strict = gad([m], s, dr, k=4, n=4, max_len_b=12)[1].counters.accepted_per_pass
-    hyps, gen = gad([m], s, dr, k=4, n=4, max_len_b=12, beta=30, tau=math.inf)
+    hyps, gen = gad([m], s, dr, k=4, n=4, max_len_b=12, gad_beta=30, gad_tau=math.inf)
     assert gen.counters.accepted_per_pass > strict  # accepts every draft token: k + 1 per pass when not ending
     for h in hyps:
         assert h[0]["tokens"][-1] == D.eos() and len(h[0]["tokens"]) <= 12 + 10 + 1
@@ -177,7 +183,7 @@ def test_drafts_never_run_past_max_len():
         ref = fairseq_generate([m], D, s, beam_size=1, **kw)
         assert_same_hypos(ref, gad([m], s, dr, k=6, n=2, **kw)[0], msg=str(kw))
         # GAD++ accepting everything still ends at the limit with EOS
-        for h in gad([m], s, dr, k=6, n=2, beta=30, **kw)[0]:
+        for h in gad([m], s, dr, k=6, n=2, gad_beta=30, **kw)[0]:
             assert len(h[0]["tokens"]) <= kw["max_len_b"] + 1 and h[0]["tokens"][-1] == D.eos()
 
 
@@ -185,12 +191,12 @@ def test_bad_drafter_and_options():
     m = random_transformer(D, 70)
     with pytest.raises(ValueError, match="block_drafter"):
         ModelDrafter(random_transformer(D, 71), D)
-    with pytest.raises(ValueError, match="block-size"):
-        ModelDrafter(random_drafter(D, 72), D, block_size=-1)
-    with pytest.raises(ValueError, match="gad-beta"):
-        AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 72), D), beta=0)
-    with pytest.raises(ValueError, match="gad-tau"):
-        AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 72), D), tau=-1.0)
+    for bad, flag in [(dict(block_size=-1), "block-size"), (dict(gad_beta=0), "gad-beta"),
+                      (dict(gad_tau=-1.0), "gad-tau"),
+                      (dict(gad_beta=2), "--gad-beta applies to --decoding gad, not --decoding iad")]:
+        with pytest.raises(ValueError, match=flag):
+            AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 72), D),
+                                **{"decoding": "gad", **bad} if "applies" not in flag else bad)
 
 
 def test_training_blocks_layout():
@@ -237,7 +243,7 @@ def test_train_drafter_with_fairseq_train_and_decode_with_it(tiny_run, tiny_draf
     greedy = generate("--decoding", "greedy")
     assert len(greedy) == N_TEST
     same(generate("--decoding", "gad", "--drafter", str(drafter)), greedy)
-    same(generate("--decoding", "gad", "--drafter", str(drafter), "--block-size", "1", "--no-draft-switch"), greedy)
+    same(generate("--decoding", "gad", "--drafter", str(drafter), "--block-size", "1"), greedy)
 
 
 def test_gad_cli_errors(tiny_run, tmp_path):
@@ -252,7 +258,7 @@ def test_gad_cli_errors(tiny_run, tmp_path):
     assert r.returncode != 0 and "no such file" in r.stderr
     r = run_cli(base + ["--decoding", "gad", "--drafter", str(ckpt)])  # an AR checkpoint is no drafter
     assert r.returncode != 0 and "not a block_drafter" in r.stderr
-    for extra in (["--gad-beta", "2"], ["--no-draft-switch"], ["--draft-lookup", str(tmp_path / "t.txt")]):
+    for extra in (["--gad-beta", "2"], ["--gad-tau", "1"], ["--draft-lookup", str(tmp_path / "t.txt")]):
         r = run_cli(base + ["--decoding", "iad", *extra])
         assert r.returncode != 0 and "to --decoding gad, not --decoding iad" in r.stderr
 
@@ -496,12 +502,14 @@ def test_gad_goes_without_a_drafter_that_costs_more_than_it_brings():
     for n in (1, 3):
         SlowDrafter.calls = 0
         gen = AggressiveGenerator([m], D, drafter=SlowDrafter(random_drafter(D, 92).double(), D, 3),
-                                  budget=Budget(n), draft_switch=True, **kw)
+                                  budget=Budget(n), decoding="gad", **kw)
         assert_same_hypos(ref, gen.generate([m], s))
         assert SlowDrafter.calls < 0.5 * gen.counters.decoder_steps  # most passes went without drafts
 
 
-def test_draft_switch_is_refused_with_gad_plus_plus():
+def test_gad_plus_plus_never_switches_drafting_off():
+    """GAD++'s output depends on the drafts, so on which passes draft: it always drafts."""
     m = random_transformer(D, 93)
-    with pytest.raises(ValueError, match="top-1"):
-        AggressiveGenerator([m], D, drafter=ModelDrafter(random_drafter(D, 94), D), beta=3, draft_switch=True)
+    dr = ModelDrafter(random_drafter(D, 94), D)
+    assert AggressiveGenerator([m], D, drafter=dr, decoding="gad", gad_beta=3).draft_switch is None
+    assert AggressiveGenerator([m], D, drafter=dr, decoding="gad").draft_switch is not None

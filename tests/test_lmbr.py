@@ -187,12 +187,12 @@ def test_delta_prunes_in_nmt_log_prob_units(lam):
     pruned at lambda * delta, with scores divided by lambda; pruning the paper's score at delta
     itself is another search."""
     kw = dict(beam_size=4, max_len_b=12, decoding="var-batch")
-    got = ours([MODEL], D, SAMPLE, delta=1.0, scorers=[_scorer(lam)[0]], **kw)[0]
-    paper = ours([MODEL], D, SAMPLE, delta=lam * 1.0, scorers=[_PaperScore(lam)], **kw)[0]
+    got = ours([MODEL], D, SAMPLE, prune_abs_threshold=1.0, scorers=[_scorer(lam)[0]], **kw)[0]
+    paper = ours([MODEL], D, SAMPLE, prune_abs_threshold=lam * 1.0, scorers=[_PaperScore(lam)], **kw)[0]
     assert _tokens(got) == _tokens(paper)
     for a, b in zip(got, paper):
         assert a[0]["score"].item() == pytest.approx(b[0]["score"].item() / lam, abs=1e-5)
-    unscaled = ours([MODEL], D, SAMPLE, delta=1.0, scorers=[_PaperScore(lam)], **kw)[0]
+    unscaled = ours([MODEL], D, SAMPLE, prune_abs_threshold=1.0, scorers=[_PaperScore(lam)], **kw)[0]
     assert _tokens(unscaled) != _tokens(got)
 
 
@@ -204,12 +204,12 @@ def test_beam_output_does_not_depend_on_the_score_scale():
 
 
 def test_lambda_must_be_positive():
-    from fairseq_streambeam.options import StreamBeamConfig, UsageError, check_options
+    from fairseq_streambeam.spec import DecodeSpec, UsageError
 
     with pytest.raises(ValueError, match="lmbr-lambda must be > 0"):
         LMBRScorer({}, THETA, lam=0.0, pad=PAD)
     with pytest.raises(UsageError, match="--lmbr-lambda must be > 0, got -1"):
-        check_options(StreamBeamConfig(lmbr_lambda=-1.0), files=False)
+        DecodeSpec(lmbr_lambda=-1.0)
 
 
 def _task(tmp_path, **cfg):

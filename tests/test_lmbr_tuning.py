@@ -131,7 +131,7 @@ def test_bad_evidence_is_a_one_line_error(tmp_path, content, args, message):
 
 
 def test_search_finds_the_optimum_of_a_known_function():
-    from fairseq_streambeam.scorers.tune import search
+    from fairseq_streambeam.bench.tune import search
 
     calls = []
 
@@ -160,7 +160,7 @@ def _known_optimum_evidence(data_dir: Path, path: Path) -> None:
 
 @pytest.mark.parametrize("search", ["grid", "coordinate"])
 def test_tuner_finds_the_known_optimum(tiny_run, tmp_path, search):
-    from fairseq_streambeam.scorers.tune import main as tune_main
+    from fairseq_streambeam.bench.tune import main as tune_main
 
     data, ckpt = tiny_run
     _known_optimum_evidence(data, tmp_path / "ev.nbest")

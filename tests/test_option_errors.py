@@ -8,7 +8,8 @@ import pytest
 from fairseq import options
 from helpers import REPO
 
-from fairseq_streambeam.options import StreamBeamConfig, UsageError, check_options
+from fairseq_streambeam.options import StreamBeamConfig
+from fairseq_streambeam.spec import DecodeSpec, UsageError, from_cli
 
 PLUGIN = str(REPO / "fairseq_streambeam")
 
@@ -32,11 +33,11 @@ CASES = [
     (["--decoding", "var-stream", "--refill-eps", "2"], "--refill-eps must be in [0, 1], got 2.0"),
     (["--decoding", "var-stream", "--stream-window", "0"], "--stream-window must be >= 1"),
     (["--decoding", "var-stream", "--sampling"], "--decoding var-stream does not support --sampling"),
-    (["--decoding", "gad", "--draft-lookup", "{text}", "--print-alignment"], "does not support --print-alignment"),
+    (["--decoding", "gad", "--draft-lookup", "{text}", "--print-alignment"], "--print-alignment applies to the beam"),
     (["--decoding", "iad", "--lm-path", "{text}"], "--decoding iad does not support --lm-path"),
-    (["--decoding", "iad", "--match-source-len"], "--decoding iad does not support --match-source-len"),
-    (["--decoding", "iad", "--no-repeat-ngram-size", "2"], "--decoding iad does not support --no-repeat-ngram-size"),
-    (["--decoding", "beam", "--prune-abs-threshold", "1"], "apply to var-batch and var-stream, not --decoding beam"),
+    (["--decoding", "iad", "--match-source-len"], "--match-source-len applies to the beam decodings"),
+    (["--decoding", "iad", "--no-repeat-ngram-size", "2"], "--no-repeat-ngram-size applies to the beam decodings"),
+    (["--decoding", "beam", "--prune-abs-threshold", "1"], "applies to var-batch and var-stream, not --decoding beam"),
     (["--decoding", "beam", "--finish-count", "2"], "--finish-count applies to the sticky rule"),
     (["--decoding", "var-batch", "--beam", "4", "--nbest", "5"], "--nbest 5 asks for more hypotheses than the 4"),
     (["--decoding", "gad"], "--decoding gad needs --drafter PATH"),
@@ -44,7 +45,12 @@ CASES = [
     (["--decoding", "gad", "--draft-lookup", "{text}", "--gad-beta", "0"], "--gad-beta must be >= 1, got 0"),
     (["--decoding", "gad", "--draft-lookup", "{text}", "--nbest", "2"], "is greedy: it returns one hypothesis"),
     (["--decoding", "iad", "--gad-tau", "1"], "--gad-tau applies to --decoding gad, not --decoding iad"),
-    (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "apply to the beam decodings, not --decoding iad"),
+    (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "applies to the beam decodings, not --decoding iad"),
+    (["--decoding", "beam", "--beam", "0"], "--beam must be >= 1, got 0"),
+    (["--decoding", "iad", "--beam", "0"], "--beam must be >= 1, got 0"),
+    (["--decoding", "beam", "--stream-order", "continuous"], "--stream-order applies to var-stream and fixed-stream"),
+    (["--decoding", "iad", "--stream-admit", "longest-first"], "--stream-admit applies to var-stream and fixed-stream"),
+    (["--decoding", "iad", "--max-wait-steps", "3"], "--max-wait-steps applies to var-stream and fixed-stream"),
     (["--decoding", "var-stream", "--lmbr-p", "0"], "--lmbr-p must be in (0, 1]"),
 ]
 
@@ -79,13 +85,15 @@ def test_files_are_checked_when_the_task_is_built(tmp_path, options, message):
 
     options = {k: v.format(text=text_file(tmp_path)) for k, v in options.items()}
     cfg = StreamBeamConfig(**options)
-    check_options(cfg, files=False)  # what the parser checks
+    from_cli(cfg)  # what the parser checks
     with pytest.raises(UsageError, match=message):
         StreamBeamTranslationTask(cfg, make_dict(4), make_dict(4))
 
 
 def test_python_api_raises_value_error():
     with pytest.raises(ValueError, match="--refill-eps must be in"):
-        check_options(StreamBeamConfig(decoding="var-stream", refill_eps=-0.5))
+        from_cli(StreamBeamConfig(decoding="var-stream", refill_eps=-0.5))
+    with pytest.raises(ValueError, match="--refill-eps must be in"):
+        DecodeSpec(decoding="var-stream", refill_eps=-0.5)
     assert issubclass(UsageError, ValueError)
-    check_options(StreamBeamConfig(decoding="var-stream"))  # the defaults pass
+    from_cli(StreamBeamConfig(decoding="var-stream"))  # the defaults pass

@@ -136,8 +136,8 @@ def test_scheduler_refill_and_pick():
     assert not b.should_refill(1, 0)
 
     class C:
-        def __init__(self, length, waited, serial):
-            self.length, self.waited, self.first_serial = length, waited, serial
+        def __init__(self, steps, waited, serial):
+            self.steps, self.waited, self.first_serial = steps, waited, serial
 
     cs = [C(5, 0, 0), C(2, 1, 10), C(7, 4, 3)]
     assert s.pick(cs) == 1

@@ -32,7 +32,7 @@ RULES = [("sticky", None), ("sticky", 1), ("sticky", 3), ("fairseq", None)]
 def var_reference(request):
     """var-batch over the whole batch, and each source decoded alone."""
     rule, z = request.param
-    kw = dict(KW, finalize=rule, finish_count=z, delta=1.2, max_cands=3)
+    kw = dict(KW, finalize=rule, finish_count=z, prune_abs_threshold=1.2, prune_max_cands=3)
     batch = ours(MODELS, D, SAMPLE, decoding="var-batch", **kw)[0]
     assert_same_hypos(batch, _alone(MODELS, "var-batch", **kw), atol=1e-5, msg="var-batch vs alone")
     most, z_eff = max(len(h) for h in batch), z or KW["beam_size"]
@@ -53,7 +53,7 @@ def var_reference(request):
 def test_var_stream_equals_var_batch(var_reference, n, tokens, cands, eps, order, admit, max_wait):
     kw, batch = var_reference
     got, gen = ours(MODELS, D, SAMPLE, decoding="var-stream", budget=Budget(n, tokens, cands), refill_eps=eps,
-                    stream_order=order, stream_admit=admit, max_wait=max_wait, **kw)
+                    stream_order=order, stream_admit=admit, max_wait_steps=max_wait, **kw)
     assert_same_hypos(batch, got, atol=1e-5,
                       msg=f"n={n} tokens={tokens} candidates={cands} eps={eps} {order} {admit}")
     assert gen.counters.sentences == len(SENTS)
@@ -76,7 +76,7 @@ def test_beam_alone_equals_batched():
 def test_variable_width_actually_prunes():
     """var-batch must expand fewer candidates than the fixed beam on the same input."""
     _, fixed = ours(MODELS, D, SAMPLE, decoding="beam", **KW)
-    _, var = ours(MODELS, D, SAMPLE, decoding="var-batch", delta=1.0, max_cands=2, **KW)
+    _, var = ours(MODELS, D, SAMPLE, decoding="var-batch", prune_abs_threshold=1.0, prune_max_cands=2, **KW)
     assert var.counters.expansions < fixed.counters.expansions
 
 

@@ -16,9 +16,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Dict, Optional
 
 import torch
+from fairseq import utils
 
+from ..spec import DECODINGS, DecodeSpec
 from .variants import BUILTIN, Variant, load_config, parse_methods
 
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
@@ -66,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="torch/OMP threads, set explicitly (default 1): oversubscribed "
                                                "threads can make fairseq many times slower")
     p.add_argument("--lmbr-posteriors", help="posteriors by test-set sentence id, for the *+lmbr methods")
-    p.add_argument("--lmbr-lambda", type=float, help="LMBR settings (also config keys, e.g. scorers.tune's best.json)")
+    p.add_argument("--lmbr-lambda", type=float, help="LMBR settings (also config keys, e.g. bench.tune's best.json)")
     p.add_argument("--lmbr-theta0", type=float)
     p.add_argument("--lmbr-p", type=float)
     p.add_argument("--lmbr-r", type=float)
@@ -103,33 +106,23 @@ def main(argv=None):
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     import sacrebleu
-    from fairseq import checkpoint_utils, utils
     from tqdm import tqdm
 
-    import fairseq_streambeam  # noqa: F401
-    from fairseq_streambeam.options import StreamBeamConfig
-    from fairseq_streambeam.task import StreamBeamTranslationTask
+    from fairseq_streambeam.loader import load_models, load_task, wants_cuda
 
     from . import data as bench_data
     from .memory import PeakMemory
     from .report import markdown_table, write_json, write_plots
 
-    use_cuda = _use_cuda(args.device)
+    use_cuda = wants_cuda(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
           f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
           f"{'cuda' if use_cuda else 'cpu'}", flush=True)
 
-    # the three fields fairseq fills from its dataset config by interpolation
-    cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
-                           train_subset="train", dataset_impl=None, required_seq_len_multiple=1)
-    task = StreamBeamTranslationTask.setup_task(cfg)
-    models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=task)
-    for m in models:
-        m.eval()
-        if use_cuda:
-            m.cuda()
+    task = load_task(args.data, args.source_lang, args.target_lang)
+    models = load_models(task, args.path, use_cuda)
     if args.src:
         if not args.ref:
             raise SystemExit("--src needs --ref")
@@ -150,7 +143,7 @@ def main(argv=None):
         raise SystemExit("the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)")
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
     if lmbr_file:
-        task._lmbr_posteriors(lmbr_file)  # parsed once, before the timed repeats (the task keeps them)
+        task.lmbr_posteriors(lmbr_file)  # parsed once, before the timed repeats (the task keeps them)
     ct2 = _ct2_translator(args, variants, threads, use_cuda)
     oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0} for v in variants}
@@ -164,8 +157,7 @@ def main(argv=None):
                     hyps, counters = _run_ct2(ct2, v, settings, ts, task.target_dictionary)
                     bar.update(n)
                 else:
-                    _set_lmbr(task, settings, lmbr_file if v.lmbr else None)
-                    hyps, counters = _run_fairseq_task(task, models, v, settings, ts, bar, use_cuda, oracle)
+                    hyps, counters = run_variant(task, models, v, settings, ts, bar, use_cuda, oracle, lmbr_file)
                 dt = time.perf_counter() - t0
             bar.close()
             r = runs[v.name]
@@ -222,13 +214,6 @@ def main(argv=None):
     return rows
 
 
-def _use_cuda(device: str) -> bool:
-    """--device auto|cuda|cpu as a yes/no; asking for CUDA without a GPU is a one-line error."""
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
 def _subset_posteriors(args, variants, ts, out_dir: Path):
     """Posteriors keyed by the benchmark's dataset index (a --limit subset renumbers sentences)."""
     if not any(v.lmbr for v in variants):
@@ -246,12 +231,6 @@ def _subset_posteriors(args, variants, ts, out_dir: Path):
     return str(path)
 
 
-def _set_lmbr(task, settings: dict, path) -> None:
-    task.cfg.lmbr_posteriors = path
-    for key in ("lmbr_lambda", "lmbr_theta0", "lmbr_p", "lmbr_r"):
-        setattr(task.cfg, key, settings[key])
-
-
 def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:
     # the bench scores each source's best hypothesis (nbest 1); how many finish is task.cfg.finish_count
     return argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
@@ -266,55 +245,68 @@ def _greedy_truth(task, models, variants, settings: dict, ts, use_cuda: bool):
     from tqdm import tqdm
 
     with tqdm(total=len(ts.dataset), disable=True) as bar:
-        hyps, _ = _run_fairseq_task(task, models, Variant("greedy", "greedy", beam=1), settings, ts, bar, use_cuda)
+        hyps, _ = run_variant(task, models, Variant("greedy", "greedy", beam=1), settings, ts, bar, use_cuda)
     return {tuple(ts.dataset.src[i].tolist()): hyps[i] for i in range(len(ts.dataset))}
 
 
-BEAM_DECODINGS = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream")  # StreamBeamGenerator's
 # bench methods that run a task decoding with something replaced (the aggressive ones: the drafter)
 TASK_DECODING = {"fairseq-greedy": "fairseq", "gad-oracle": "iad", "no-draft": "iad"}
 
 
-def _run_fairseq_task(task, models, v: Variant, settings: dict, ts, bar, use_cuda: bool, oracle=None):
-    """One pass through the task API, exactly as fairseq-generate drives it."""
-    from fairseq import utils
+def variant_spec(v: Variant, settings: dict, lmbr_file: Optional[str] = None) -> DecodeSpec:
+    """The decoding spec of a bench variant: the variant's fields over the run's settings, only
+    the options its decoding takes."""
+    decoding = TASK_DECODING.get(v.decoding, v.decoding)
+    kind = DECODINGS[decoding]
+    if kind.family == "fairseq":
+        return DecodeSpec(decoding=decoding)
+    f: Dict[str, Any] = dict(decoding=decoding, beam_size=v.beam or settings["beam"], len_penalty=settings["lenpen"],
+                             max_len_b=settings["max_len_b"])
+    if kind.streaming:
+        f.update(refill_eps=v.refill_eps if v.refill_eps is not None else settings["refill_eps"],
+                 stream_window=settings["stream_window"], stream_candidates=v.candidates)
+    if kind.family == "draft":
+        f.update(block_size=v.block_size or 0, draft_min_reach=v.draft_min_reach)
+        if decoding == "gad":
+            f.update(gad_beta=v.gad_beta or 1, gad_tau=math.inf if v.gad_tau is None else v.gad_tau,
+                     draft_switch=v.draft_switch is not False, drafter=None if v.lookup else settings["drafter"],
+                     draft_lookup=settings["draft_lookup"] if v.lookup else None)
+        return DecodeSpec(**f)
+    if kind.variable:
+        f.update(prune_abs_threshold=v.delta, prune_max_cands=v.max_cands)
+    if kind.streaming:
+        f.update(stream_order=v.stream_order or "min-length", stream_admit=v.stream_admit or "shortest-first")
+    f["finalize"] = v.finalize or settings["finalize"]
+    # None = k; a run-wide setting applies to the sticky-rule methods only (the fairseq rule finishes k)
+    sticky = DecodeSpec(**f).rule == "sticky"
+    f["finish_count"] = v.finish_count if v.finish_count is not None else (settings["finish_count"] if sticky else None)
+    if v.lmbr:
+        f.update(lmbr_posteriors=lmbr_file, **{k: settings[k] for k in ("lmbr_lambda", "lmbr_theta0", "lmbr_p",
+                                                                        "lmbr_r")})
+    return DecodeSpec(**f)
+
+
+def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: bool, oracle=None, lmbr_file=None):
+    """One pass of variant `v` over the test set through the task API, as fairseq-generate
+    drives it (generator, batching, inference steps). Returns hypotheses by sentence and counters."""
+    from fairseq.tasks.translation import TranslationTask
 
     from fairseq_streambeam.drafters.oracle import NoDrafter, OracleDrafter
-    from fairseq_streambeam.options import finalize_rule
 
-    task.cfg.decoding = TASK_DECODING.get(v.decoding, v.decoding)
-    variable = v.decoding.startswith("var-")
-    task.cfg.prune_abs_threshold = v.delta if variable else None
-    task.cfg.prune_max_cands = v.max_cands if variable else None
-    task.cfg.refill_eps = v.refill_eps if v.refill_eps is not None else settings["refill_eps"]
-    task.cfg.finalize = v.finalize or settings["finalize"]
-    sticky = v.decoding in BEAM_DECODINGS and finalize_rule(v.decoding, task.cfg.finalize) == "sticky"
-    # None = k; a run-wide setting applies to the sticky-rule methods only (the fairseq rule finishes k)
-    task.cfg.finish_count = v.finish_count if v.finish_count is not None else (
-        settings["finish_count"] if sticky else None)
-    task.cfg.stream_order = v.stream_order or "min-length"
-    task.cfg.stream_admit = v.stream_admit or "shortest-first"
-    task.cfg.stream_window = settings["stream_window"]
-    task.cfg.block_size = v.block_size or 0
-    task.cfg.stream_candidates = v.candidates
-    task.cfg.draft_min_reach = v.draft_min_reach  # None: the task's per-decoding default
-    gad = v.decoding == "gad"
-    task.cfg.drafter = settings.get("drafter") if gad and not v.lookup else None
-    task.cfg.draft_lookup = settings.get("draft_lookup") if gad and v.lookup else None
-    task.cfg.gad_beta = (v.gad_beta or 1) if gad else 1
-    task.cfg.gad_tau = v.gad_tau if gad and v.gad_tau is not None else math.inf
-    task.cfg.no_draft_switch = gad and v.draft_switch is False
     from .data import CorpusOrder
 
+    spec = variant_spec(v, settings, lmbr_file)
+    if spec.decoding == "fairseq":  # fairseq's own generator
+        task.spec = spec
+        gen = TranslationTask.build_generator(task, models, _gen_args(v, settings))
+    else:
+        drafter = OracleDrafter(oracle, v.block_size or 8) if v.decoding == "gad-oracle" else (
+            NoDrafter() if v.decoding == "no-draft" else None)
+        gen = task.generator_for(models, spec, drafter=drafter)
     dataset = CorpusOrder(ts.dataset) if settings["corpus_order"] else ts.dataset
     itr = task.get_batch_iterator(dataset, max_sentences=v.batch_size or settings["batch_size"],
                                   max_tokens=settings["max_tokens"],
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=False)
-    gen = task.build_generator(models, _gen_args(v, settings))
-    if v.decoding == "gad-oracle":  # the aggressive generator, its drafter replaced by the oracle
-        gen.drafter = OracleDrafter(oracle, v.block_size or 8)
-    if v.decoding == "no-draft":
-        gen.drafter = NoDrafter()
     counters = getattr(gen, "counters", None)
     if counters is not None:
         counters.trace = []

@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from ..runtime.block_step import BlockDecoder
-from ..runtime.kv_cache import KVCache, stand_in
+from ..runtime.kv_cache import KVCache, max_positions, stand_in
 from ..runtime.lean_encoder import encode
 
 
 @dataclass
-class DraftGroup:
+class ModelDraftState:
     """Drafter state of one group of rows. Built lazily: the sources are encoded and the cache is
     filled the first time the group drafts (with the draft switch a group may never draft)."""
 
@@ -41,26 +41,23 @@ class DraftGroup:
 class ModelDrafter:
     """Drafts with a trained `block_drafter` fairseq model (see models/block_drafter.py)."""
 
-    def __init__(self, model, tgt_dict, block_size: int = 0, compact_slack: int = 16):
+    def __init__(self, model, tgt_dict, block_size: int = 0):
         from ..models.block_drafter import BlockDrafterModel
 
         if not isinstance(model, BlockDrafterModel):
             raise ValueError(f"--drafter must be a block_drafter checkpoint (fairseq-train --arch block_drafter*); "
                              f"got a {type(model).__name__}")
-        if block_size < 0:
-            raise ValueError(f"--block-size must be >= 1 (or 0 = the drafter's trained size), got {block_size}")
         self.model = model
         self.block = BlockDecoder(model.decoder)
         self.k = block_size or model.draft_block_size
         self.pad, self.bos, self.mask = tgt_dict.pad(), tgt_dict.eos(), tgt_dict.unk()
-        self.max_pos = _max_target_positions(model)
-        self.compact_slack = compact_slack
+        self.max_pos = max_positions([model], 1)
 
-    def open(self, srcs, rows: List[int]) -> DraftGroup:
-        return DraftGroup(list(rows), [[self.bos] for _ in rows], [0] * len(rows), KVCache(self.model, len(rows)), srcs,
-                          [[] for _ in rows])
+    def open(self, srcs, rows: List[int]) -> ModelDraftState:
+        return ModelDraftState(list(rows), [[self.bos] for _ in rows], [0] * len(rows),
+                               KVCache(self.model, len(rows)), srcs, [[] for _ in rows])
 
-    def propose(self, g: DraftGroup, caps: List[int]) -> Tuple[Tensor, List[int]]:
+    def propose(self, g: ModelDraftState, caps: List[int]) -> Tuple[Tensor, List[int]]:
         n = len(g.pending)
         dev = next(self.model.parameters()).device
         if max(caps, default=0) <= 0:  # nothing to draft: no drafter pass (the pending tokens wait)
@@ -71,7 +68,7 @@ class ModelDrafter:
         lens = [max(0, min(k, c)) for c in caps]
         return self._feed(g, k).argmax(-1), lens
 
-    def _feed(self, g: DraftGroup, k: int) -> Tensor:
+    def _feed(self, g: ModelDraftState, k: int) -> Tensor:
         """Feed every row's pending tokens plus k mask slots (building the group first); returns
         the mask slots' logits [N, k, V] and cuts those slots off the cache again."""
         n = len(g.pending)
@@ -101,15 +98,13 @@ class ModelDrafter:
         g.pending = [[] for _ in g.pending]
         return logits
 
-    def advance(self, g: DraftGroup, accepted: List[List[int]]) -> None:
+    def advance(self, g: ModelDraftState, accepted: List[List[int]]) -> None:
         for out, pending, acc in zip(g.outs, g.pending, accepted):
             out += acc
             pending += acc
-        real = max(g.fed) + 1
-        if g.cache.length > 2 * real + self.compact_slack:
-            g.cache.compact()
+        g.cache.compact_if_sparse(max(g.fed) + 1)
 
-    def select(self, g: DraftGroup, keep: List[int]) -> DraftGroup:
+    def select(self, g: ModelDraftState, keep: List[int]) -> ModelDraftState:
         if g.built:
             dev = next(self.model.parameters()).device
             g.cache.select(torch.tensor(keep, dtype=torch.long, device=dev))
@@ -119,7 +114,7 @@ class ModelDrafter:
         g.outs = [g.outs[i] for i in keep]
         return g
 
-    def merge(self, a: DraftGroup, b: DraftGroup) -> DraftGroup:
+    def merge(self, a: ModelDraftState, b: ModelDraftState) -> ModelDraftState:
         """`b` entered after `a`. A new group left unbuilt did not draft in its first pass (the draft
         switch was off): then `a` drops its cache rather than build `b`'s, and the merged group is
         built again when it next drafts; a new group that drafted has `a` built too."""
@@ -133,14 +128,8 @@ class ModelDrafter:
         a.outs = a.outs + b.outs
         return a
 
-    def _drop(self, g: DraftGroup) -> None:
+    def _drop(self, g: ModelDraftState) -> None:
         """Forget the group's cache: every row's whole prefix is pending again."""
         g.cache = KVCache(self.model, len(g.rows))
         g.fed = [0] * len(g.rows)
         g.pending = [[self.bos] + out for out in g.outs]
-
-
-def _max_target_positions(model) -> int:
-    mp = model.max_positions() if hasattr(model, "max_positions") else None
-    mp = mp[1] if isinstance(mp, tuple) else mp
-    return int(mp) if isinstance(mp, int) else 10**9

@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -28,18 +28,18 @@ from torch import Tensor
 
 from ..drafters.base import Drafter
 from ..drafters.input_copy import InputCopyDrafter
-from ..runtime.block_step import BlockDecoder, check_block_decoder
+from ..runtime.block_step import BlockDecoder, check_block_decoder, ensemble_lprobs
 from ..runtime.counters import Counters
 from ..runtime.draft_budget import DraftBudget, DraftSwitch
 from ..runtime.driver import Driver, Engine
-from ..runtime.kv_cache import KVCache, check_vocabulary, without_padding_mask
+from ..runtime.kv_cache import KVCache, check_vocabulary, max_positions, without_padding_mask
 from ..runtime.lean_encoder import forward_encoder
 from ..runtime.lean_layer import Slots
 from ..runtime.rows import Rows
 from ..runtime.scheduler import Budget, Scheduler
 from ..search.penalties import FairseqPenalties
-from .common import Sources
-from .stream_beam import _max_source_positions
+from ..spec import DecodeSpec
+from .common import Sources, family_spec, hypothesis, sequence_generator_args, to_host
 
 
 @dataclass
@@ -53,15 +53,15 @@ class RowState(Rows):
     prefix: Optional[List[List[int]]] = None  # forced first tokens (fairseq's prefix_tokens row; pad = free)
 
 
-class Group:
+class DraftCohort:
     """Rows decoded in one batch: their state, the verifier's cache and the drafter's state for
-    the same rows."""
+    the same rows; `steps`: verification passes made (the driver's Cohort)."""
 
     def __init__(self, rows: RowState, cache: KVCache, draft: Any, serial: int):
         self.rows = rows
         self.cache = cache
         self.draft = draft
-        self.length = 0  # passes made
+        self.steps = 0
         self.waited = 0
         self.first_serial = serial
 
@@ -72,41 +72,64 @@ class Group:
     n_candidates = n_sources
 
 
+@dataclass
+class Block:
+    """One pass's block [N, m]: each row's last accepted token, then its draft. Host arrays:
+    `lens` draft lengths, `pad` padding slots, `steps` the output position each slot predicts,
+    `at_max` slots at their row's length limit, `forced` prefix tokens (-1 free; None: no slot in
+    the prefix window); `pad_t` the padding on the device (None: none), `slots` the real slots to
+    compute (top-1 verification of a padded block)."""
+
+    tokens: Tensor
+    lens: List[int]
+    pad: np.ndarray
+    steps: np.ndarray
+    at_max: np.ndarray
+    forced: Optional[np.ndarray]
+    pad_t: Optional[Tensor]
+    slots: Optional[Slots]
+
+    @property
+    def width(self) -> int:
+        return self.tokens.size(1)
+
+
+@dataclass
+class Verdict:
+    """What verification found, on the host: the verifier's top-1 token and log-prob at every slot
+    [N, m], the draft tokens [N, m - 1] and their log-probs, and the accepted draft tokens per row [N]."""
+
+    best: np.ndarray
+    best_lp: np.ndarray
+    draft: np.ndarray
+    draft_lp: np.ndarray
+    accepted: np.ndarray
+
+
 class AggressiveGenerator(SequenceGenerator):
     """IAD (`--decoding iad`) and GAD/GAD++ (`--decoding gad`). Same `generate` signature and
-    output format as fairseq's generator."""
+    output format as fairseq's generator. `spec` (spec.DecodeSpec), or its fields as keyword
+    arguments (decoding iad unless given); `drafter` (drafters/; IAD's input copy by default);
+    `budget`: live sources."""
 
-    def __init__(self, models, tgt_dict, max_len_a: float = 0, max_len_b: int = 200, max_len: int = 0,
-                 min_len: int = 1, normalize_scores: bool = True, len_penalty: float = 1.0,
-                 unk_penalty: float = 0.0, temperature: float = 1.0, eos: Optional[int] = None,
-                 symbols_to_strip_from_output=None, drafter: Optional[Drafter] = None,
-                 budget: Optional[Budget] = None, refill_eps: float = 1 / 6, compact_slack: int = 16,
-                 beta: int = 1, tau: float = math.inf, draft_min_reach: float = 0.0,
-                 draft_switch: bool = False, **_):
-        super().__init__(models, tgt_dict, beam_size=1, max_len_a=max_len_a, max_len_b=max_len_b, max_len=max_len,
-                         min_len=min_len, normalize_scores=normalize_scores, len_penalty=len_penalty,
-                         unk_penalty=unk_penalty, temperature=temperature, eos=eos,
-                         symbols_to_strip_from_output=symbols_to_strip_from_output)
+    def __init__(self, models, tgt_dict, spec: Optional[DecodeSpec] = None, drafter: Optional[Drafter] = None,
+                 budget: Optional[Budget] = None, **options):
+        spec = family_spec(spec, options, "draft", "iad")
+        super().__init__(models, tgt_dict, **sequence_generator_args(spec))
         for m in self.model.models:
             check_block_decoder(m.decoder)
         self.blocks = [BlockDecoder(m.decoder) for m in self.model.models]
         check_vocabulary(self.model, tgt_dict)
-        if beta < 1:
-            raise ValueError(f"--gad-beta must be >= 1, got {beta}")
-        if not tau >= 0:
-            raise ValueError(f"--gad-tau must be >= 0, got {tau}")
-        if draft_switch and beta > 1:  # GAD++ output depends on which passes draft, so on timing
-            raise ValueError("the draft switch needs top-1 verification (--gad-beta 1)")
-        self.drafter: Drafter = drafter or InputCopyDrafter()
-        self.beta, self.tau = beta, tau
-        self.draft_budget = DraftBudget(draft_min_reach)
-        self.draft_switch = DraftSwitch() if draft_switch else None  # passes without drafts when cheaper
-        self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty,
-                                          min_len=min_len, suppress=self.token_indices_to_suppress)
-        self.scheduler = Scheduler("min-length", budget or Budget(), refill_eps)
+        self.spec = spec
+        self.drafter: Drafter = drafter or InputCopyDrafter(spec.iad_ngram, spec.block_size)
+        self.beta, self.tau = spec.gad_beta, spec.gad_tau
+        self.draft_budget = DraftBudget(spec.min_reach)
+        self.draft_switch = DraftSwitch() if spec.switches_drafting else None  # passes without drafts when cheaper
+        self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=spec.unk_penalty,
+                                          min_len=spec.min_len, suppress=self.token_indices_to_suppress)
+        self.scheduler = Scheduler(spec.policy, budget or Budget(), spec.refill_eps)
         self.driver = Driver(self.scheduler)
-        self.max_source_positions = _max_source_positions(self.model)
-        self.compact_slack = compact_slack
+        self.max_source_positions = max_positions(self.model.models, 0)
         self.counters = Counters()
 
     @torch.no_grad()
@@ -122,13 +145,14 @@ class AggressiveGenerator(SequenceGenerator):
         prefix = None if prefix_tokens is None else prefix_tokens.tolist()
         engine = Engine(admit=partial(self._admit, srcs, prefix=prefix),
                         step=partial(self._pass, results=results, srcs=srcs),
-                        mergeable=lambda a, b: a.length > 0 and b.length > 0, merge=self._merge)
+                        mergeable=lambda a, b: a.steps > 0 and b.steps > 0, merge=self._merge)
         self.driver.run(engine, srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)
         self.counters.total_seconds += time.perf_counter() - t0
         return results
 
-    def _admit(self, srcs: Sources, new: List[int], serial: int, prefix: Optional[List[List[int]]] = None) -> Group:
+    def _admit(self, srcs: Sources, new: List[int], serial: int,
+               prefix: Optional[List[List[int]]] = None) -> DraftCohort:
         t = time.perf_counter()
         enc = forward_encoder(self.model, srcs.subset_input(new))
         if enc is not None and len({srcs.lengths[i] for i in new}) == 1:
@@ -138,69 +162,79 @@ class AggressiveGenerator(SequenceGenerator):
         self.counters.encoder_calls += 1
         rows = RowState(list(new), [srcs.max_lens[i] for i in new], [[] for _ in new], [[] for _ in new],
                         None if prefix is None else [prefix[i] for i in new])
-        return Group(rows, KVCache(self.model, len(new), enc), draft, serial)
+        return DraftCohort(rows, KVCache(self.model, len(new), enc), draft, serial)
 
-    def _merge(self, a: Group, b: Group) -> Group:
+    def _merge(self, a: DraftCohort, b: DraftCohort) -> DraftCohort:
         a.cache = KVCache.cat([a.cache, b.cache])
         a.draft = self.drafter.merge(a.draft, b.draft)
         a.rows = RowState.cat([a.rows, b.rows])
         a.waited, a.first_serial = 0, min(a.first_serial, b.first_serial)
         return a
 
-    def _pass(self, g: Group, results, srcs: Sources) -> List[int]:
-        """One draft + verification pass over every row of `g`. Returns the window rows that finished."""
-        dev = srcs.net_input["src_tokens"].device
+    def _pass(self, g: DraftCohort, results, srcs: Sources) -> List[int]:
+        """One draft-and-verify pass over every row of `g`, in stages: propose a block, verify it
+        (one host copy), accept tokens, roll back and evict. Returns the window rows that finished."""
+        timed = g.steps > 0  # a cohort's first pass also caches the encoder keys: not timed
+        t = time.perf_counter()
+        block = self._propose(g, srcs.net_input["src_tokens"].device)
+        verdict = self._verify(g, block)
+        g.cache.after_step()
+        g.steps += 1
+        self.counters.model_seconds += time.perf_counter() - t
         n = g.n_sources
-        outs = g.rows.out
+        self.counters.decoder_steps += 1
+        self.counters.expansions += n * block.width if block.slots is None else int(block.slots.index.numel())
+        self.counters.verified_rows += n
+        self.counters.block_slots += n + sum(block.lens)
+        accepted, done_rows = self._accept_tokens(g, verdict, results, block.tokens.device)
+        produced = sum(map(len, accepted))
+        self.drafter.advance(g.draft, accepted)
+        matched = verdict.accepted.tolist()
+        self.draft_budget.update(block.lens, matched)
+        g.cache.rollback([j + 1 for j in matched], block.width)  # drop the rejected slots
+        done = self._evict(g, done_rows, block.tokens.device)
+        self.counters.accepted_tokens += produced
+        if self.draft_switch is not None and timed:
+            self.draft_switch.record(block.width > 1, time.perf_counter() - t, produced)
+        return done
+
+    def _propose(self, g: DraftCohort, dev) -> Block:
+        """Each row's draft, capped by its length limit and by what is worth verifying, as a block."""
+        outs, n = g.rows.out, g.n_sources
         # a draft may fill the row up to its length limit; the verifier adds the token at max_len (EOS)
         caps = [cap - len(out) for cap, out in zip(g.rows.max_len, outs)]
         worth = self.draft_budget.cap(max(caps))
-        switch = self.draft_switch
-        if switch is not None and not switch.drafting(n):
+        if self.draft_switch is not None and not self.draft_switch.drafting(n):
             worth = 0
-        timed = g.length > 0  # a group's first pass also caches the encoder keys: not timed
-        caps = [min(c, worth) for c in caps]
         t = time.perf_counter()
-        drafts, lens = self.drafter.propose(g.draft, caps)
+        drafts, lens = self.drafter.propose(g.draft, [min(c, worth) for c in caps])
         self.counters.draft_seconds += time.perf_counter() - t
-        d = max(lens, default=0)
-        drafts = drafts[:, :d]  # a drafter may draft more than the caps allow: those slots are not verified
-        m = 1 + d
+        m = 1 + max(lens, default=0)
+        drafts = drafts[:, :m - 1]  # a drafter may draft more than the caps allow: those slots are not verified
         # the block's layout on the host (numpy: cheaper than a few small torch ops)
         arange = np.arange(m)
-        pad_h = arange[None, :] > np.asarray(lens)[:, None]  # slot j > 0 holds draft token j - 1
-        steps_h = np.fromiter((len(out) for out in outs), np.int64, n)[:, None] + arange
-        at_max = steps_h >= np.asarray(g.rows.max_len, dtype=np.int64)[:, None]
-        padded = bool(pad_h.any())
-        block_pad = torch.from_numpy(pad_h).to(dev) if padded else None  # None: every slot is real
+        pad = arange[None, :] > np.asarray(lens)[:, None]  # slot j > 0 holds draft token j - 1
+        steps = np.fromiter((len(out) for out in outs), np.int64, n)[:, None] + arange
+        at_max = steps >= np.asarray(g.rows.max_len, dtype=np.int64)[:, None]
         last = torch.tensor([out[-1] if out else self.bos for out in outs], dtype=torch.long)
-        block = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
-        if block_pad is not None:
-            block = block.masked_fill(block_pad, self.pad)
-        enc = g.cache.source_inputs(dev)
-        # top-1 verification computes only the real slots when the block has padding (rows with
-        # shorter drafts); GAD++ reads the top-beta of every slot
-        slots = None
-        if self.beta == 1 and padded:
-            slots = Slots.real(torch.from_numpy(pad_h), dev)
-        forced = self._forced_tokens(g.rows.prefix, steps_h)
-        best_h, lp_h, draft_h, dlp_h, acc_h = self._verify(g, enc, block, block_pad, pad_h, steps_h, at_max, slots,
-                                                           forced)
-        g.cache.after_step()
-        g.length += 1
-        self.counters.model_seconds += time.perf_counter() - t
-        self.counters.decoder_steps += 1
-        self.counters.expansions += int(n * m) if slots is None else int(slots.index.numel())  # slots computed
-        self.counters.verified_rows += n
-        self.counters.block_slots += n + sum(lens)
+        tokens = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
+        pad_t = slots = None
+        if pad.any():  # rows with shorter drafts
+            pad_t = torch.from_numpy(pad).to(dev)
+            tokens = tokens.masked_fill(pad_t, self.pad)
+            if self.beta == 1:  # top-1 verification computes only the real slots; GAD++ reads every slot's top-beta
+                slots = Slots.real(torch.from_numpy(pad), dev)
+        return Block(tokens, lens, pad, steps, at_max, self._forced_tokens(g.rows.prefix, steps), pad_t, slots)
 
-        matched = acc_h[:, 0].astype(int).tolist()
-        draft_l, best_l, dlp_l, lp_l = draft_h.tolist(), best_h.tolist(), dlp_h.tolist(), lp_h.tolist()
+    def _accept_tokens(self, g: DraftCohort, v: Verdict, results, dev) -> Tuple[List[List[int]], List[int]]:
+        """Append each row's accepted draft tokens and the verifier's token after them (up to EOS);
+        a row that reached EOS gets its hypothesis. Returns the tokens each row gained and the
+        rows that finished."""
+        draft_l, best_l, dlp_l, lp_l = v.draft.tolist(), v.best.tolist(), v.draft_lp.tolist(), v.best_lp.tolist()
         done_rows, accepted = [], []
-        for i, (out, lp) in enumerate(zip(outs, g.rows.lp)):
-            j = matched[i]
-            new = [int(x) for x in draft_l[i][:j]] + [int(best_l[i][j])]
-            new_lp = dlp_l[i][:j] + [lp_l[i][j]]
+        for i, (out, lp) in enumerate(zip(g.rows.out, g.rows.lp)):
+            j = int(v.accepted[i])
+            new, new_lp = draft_l[i][:j] + [best_l[i][j]], dlp_l[i][:j] + [lp_l[i][j]]
             if self.eos in new:
                 k = new.index(self.eos) + 1
                 new, new_lp = new[:k], new_lp[:k]
@@ -210,22 +244,19 @@ class AggressiveGenerator(SequenceGenerator):
             if out[-1] == self.eos:
                 done_rows.append(i)
                 results[g.rows.window_row[i]] = [self._hypo(out, lp, dev)]
-        produced = sum(map(len, accepted))
-        self.drafter.advance(g.draft, accepted)
-        self.draft_budget.update(lens, matched)
-        g.cache.rollback([j + 1 for j in matched], m)  # drop the rejected slots
+        return accepted, done_rows
+
+    def _evict(self, g: DraftCohort, done_rows: List[int], dev) -> List[int]:
+        """Finished rows leave the cohort; the cache drops the masked slots rollbacks left once they pile up."""
         done = [g.rows.window_row[i] for i in done_rows]
         if done_rows:
             done_set = set(done_rows)
-            keep = [i for i in range(n) if i not in done_set]
+            keep = [i for i in range(g.n_sources) if i not in done_set]
             g.cache.select(torch.tensor(keep, dtype=torch.long, device=dev))
             g.draft = self.drafter.select(g.draft, keep)
             g.rows = g.rows.select(keep)
-        if g.n_sources and g.cache.length > 2 * max(len(out) for out in g.rows.out) + self.compact_slack:
-            g.cache.compact()
-        self.counters.accepted_tokens += produced
-        if switch is not None and timed:
-            switch.record(d > 0, time.perf_counter() - t, produced)
+        if g.n_sources:
+            g.cache.compact_if_sparse(max(len(out) for out in g.rows.out))
         return done
 
     def _forced_tokens(self, prefix: Optional[List[List[int]]], steps_h: np.ndarray) -> Optional[np.ndarray]:
@@ -262,119 +293,96 @@ class AggressiveGenerator(SequenceGenerator):
             lprobs[idx, tok] = chosen
         return lprobs
 
-    def _verify(self, g: Group, enc, block: Tensor, block_pad: Optional[Tensor], pad_h: np.ndarray,
-                steps_h: np.ndarray, at_max: np.ndarray, slots: Optional[Slots],
-                forced: Optional[np.ndarray] = None) -> np.ndarray:
-        """Verify block [N, m] (host padding `pad_h`, `steps_h` and `at_max` [N, m]); returns, on
-        the host, the arrays of `_accept`. Top-1 verification first applies only fairseq's column
-        adjustments (a few columns) and reads forced EOS off the EOS column; the passes over every
-        entry (NaN, the length limit) are only made when a NaN reaches a top-1 (FairseqPenalties:
-        same values)."""
-        dev = block.device
-        top1 = self.beta == 1
-        real = ~pad_h.reshape(-1) if slots is not None else slice(None)
-        steps_d = torch.from_numpy(steps_h).to(dev)
-        lprobs = self._verify_lprobs(block, steps_d, block_pad, enc, g, int(steps_h.max()), slots)
-        if forced is not None:  # slots inside the prefix window: every adjustment, then the plain acceptance
-            flat = [a.reshape(-1)[real] for a in (steps_h, at_max, forced)]
-            return self._accept(self._prefixed(lprobs, *flat), block, pad_h)
-        if int(steps_h.min()) < self.min_len:
+    def _verify(self, g: DraftCohort, block: Block) -> Verdict:
+        """Verify `block` against the verifier's greedy choices. Top-1 verification first applies
+        only fairseq's column adjustments (a few columns) and reads forced EOS off the EOS column;
+        the passes over every entry (NaN, the length limit) are only made when a NaN reaches a
+        top-1 (FairseqPenalties: same values)."""
+        dev = block.tokens.device
+        real = ~block.pad.reshape(-1) if block.slots is not None else slice(None)
+        steps_d = torch.from_numpy(block.steps).to(dev)
+        lprobs = self._verify_lprobs(g, block, steps_d)
+        if block.forced is not None:  # slots inside the prefix window: every adjustment, then the plain acceptance
+            flat = [a.reshape(-1)[real] for a in (block.steps, block.at_max, block.forced)]
+            return self._accept(self._prefixed(lprobs, *flat), block)
+        if int(block.steps.min()) < self.min_len:
             before = steps_d.view(-1) < self.min_len
-            self.penalties.fix_columns(lprobs, 0, before if slots is None else before.index_select(0, slots.index))
+            self.penalties.fix_columns(lprobs, 0, before if block.slots is None else before.index_select(
+                0, block.slots.index))
         else:
             self.penalties.fix_columns(lprobs, self.min_len)
-        forced = at_max.reshape(-1)[real]
-        if not top1:
-            self.penalties.fix_rows(lprobs, torch.from_numpy(forced).to(dev) if forced.any() else None)
-            return self._accept(lprobs, block, pad_h)
-        # the one host sync of the pass (token ids are exact in the float32/64 packing, below 2**24)
-        out = self._accept(lprobs, block, pad_h, forced if forced.any() else None)
-        if np.isnan(out[1]).any():  # a NaN log-prob somewhere, or no allowed token at a forced EOS
-            self.penalties.fix_rows(lprobs, torch.from_numpy(forced).to(dev) if forced.any() else None)
-            out = self._accept(lprobs, block, pad_h)
-        return out
+        at_max = block.at_max.reshape(-1)[real]
+        if self.beta == 1:
+            verdict = self._accept(lprobs, block, at_max if at_max.any() else None)
+            if not np.isnan(verdict.best_lp).any():
+                return verdict
+            # a NaN log-prob somewhere, or no allowed token at a forced EOS: every adjustment, again
+        self.penalties.fix_rows(lprobs, torch.from_numpy(at_max).to(dev) if at_max.any() else None)
+        return self._accept(lprobs, block)
 
-    def _accept(self, lprobs: Tensor, block: Tensor, block_pad, forced_eos=None) -> np.ndarray:
-        """Verification of block [N, m] (padding `block_pad` [N, m], host array or tensor) from the
-        log-probs [S, V] of its N*m slots, or of its real slots only when S < N*m (block slot j
-        predicts the token after slot j; draft token j+1 is accepted while every draft token before
-        it was). Returns host arrays [5, N, m]: verifier top-1 ids and log-probs, draft ids and their
-        log-probs (last column padding), and the number of accepted draft tokens (broadcast over
-        the last axis). Top-1 verification copies only each slot's top-1, its log-prob and the
-        block to the host and compares there. `forced_eos` [S] (host; top-1 only): slots at the
-        length limit whose log-probs were not masked yet: EOS is their top-1, and a NaN log-prob is
-        returned where EOS is not allowed either, so the caller redoes the pass with every
-        adjustment."""
+    def _accept(self, lprobs: Tensor, block: Block, forced_eos: Optional[np.ndarray] = None) -> Verdict:
+        """The verdict on `block` from the log-probs [S, V] of its N*m slots, or of its real slots
+        only when S < N*m (slot j predicts the token after slot j; draft token j+1 is accepted while
+        every draft token before it was). Top-1 verification copies only each slot's top-1, its
+        log-prob and the block to the host and compares there. `forced_eos` [S] (host; top-1
+        only): slots at the length limit whose log-probs were not masked yet: EOS is their top-1,
+        and a NaN log-prob is returned where EOS is not allowed either, so the caller redoes the
+        pass with every adjustment."""
         if self.beta > 1:
-            return self._accept_beta(lprobs, block, torch.as_tensor(np.asarray(block_pad), device=block.device))
-        n, m = block.shape
-        pad = np.asarray(block_pad, dtype=bool)
+            return self._accept_beta(lprobs, block)
+        n, m = block.tokens.shape
         # the top-1 of fairseq's greedy search, its BeamSearch.step's top-2: equal log-probs (frequent
         # in half precision) come in topk's order, not max's (the lowest id); a NaN comes first
         top_lp, top = lprobs.topk(min(2, lprobs.size(1) - 1), dim=1)
-        best_lp, best = top_lp[:, 0], top[:, 0]
         dtype = torch.promote_types(lprobs.dtype, torch.float32)
-        parts = [best.to(dtype), best_lp.to(dtype), block.reshape(-1).to(dtype)]
+        parts = dict(best=top[:, 0], best_lp=top_lp[:, 0].to(dtype), block=block.tokens)
         if forced_eos is not None:
-            parts.append(lprobs[:, self.eos].to(dtype))
-        host = torch.cat(parts).cpu().numpy()
-        s = best.numel()
-        best_h, lp_h, block_h = host[:s].copy(), host[s:2 * s].copy(), host[2 * s:2 * s + n * m].reshape(n, m)
+            parts["eos_lp"] = lprobs[:, self.eos].to(dtype)
+        h = to_host(**parts)
+        best, best_lp = h["best"].copy(), h["best_lp"].copy()
         if forced_eos is not None:
-            forced = np.asarray(forced_eos, dtype=bool).reshape(-1)
-            eos_lp = host[2 * s + n * m:][forced]
-            best_h[forced] = self.eos
-            lp_h[forced] = np.where(eos_lp == -np.inf, np.nan, eos_lp)
-        if s < n * m:  # real slots only: padding slots are never read (accepting stops at the first)
-            real = ~pad.reshape(-1)
-            full_best, full_lp = np.full(n * m, self.pad, dtype=host.dtype), np.zeros(n * m, dtype=host.dtype)
-            full_best[real], full_lp[real] = best_h, lp_h
-            best_h, lp_h = full_best, full_lp
-        best_h, lp_h = best_h.reshape(n, m), lp_h.reshape(n, m)
-        ok = (block_h[:, 1:] == best_h[:, :-1]) & ~pad[:, 1:]  # strict: exactly greedy decoding
-        accepted = np.cumprod(ok, axis=1).sum(1)
-        pad_col = np.zeros((n, 1), dtype=host.dtype)
-        return np.stack([best_h, lp_h, np.concatenate([block_h[:, 1:], pad_col], 1),
-                         np.concatenate([lp_h[:, :-1], pad_col], 1),  # an accepted draft token is the top-1
-                         np.broadcast_to(accepted[:, None], (n, m)).astype(host.dtype)])
+            eos_lp = h["eos_lp"][forced_eos]
+            best[forced_eos] = self.eos
+            best_lp[forced_eos] = np.where(eos_lp == -np.inf, np.nan, eos_lp)
+        if best.size < n * m:  # real slots only: padding slots are never read (accepting stops at the first)
+            real = ~block.pad.reshape(-1)
+            full_best, full_lp = np.full(n * m, self.pad, dtype=best.dtype), np.zeros(n * m, dtype=best_lp.dtype)
+            full_best[real], full_lp[real] = best, best_lp
+            best, best_lp = full_best, full_lp
+        best, best_lp, tokens = best.reshape(n, m), best_lp.reshape(n, m), h["block"]
+        ok = (tokens[:, 1:] == best[:, :-1]) & ~block.pad[:, 1:]  # strict: exactly greedy decoding
+        # an accepted draft token is the top-1: its log-prob is the top-1's
+        return Verdict(best, best_lp, tokens[:, 1:], best_lp[:, :-1], np.cumprod(ok, axis=1).sum(1))
 
-    def _accept_beta(self, lprobs: Tensor, block: Tensor, block_pad: Tensor) -> np.ndarray:
+    def _accept_beta(self, lprobs: Tensor, block: Block) -> Verdict:
         """GAD++ verification on the device: a draft token is accepted when it is among the
         verifier's top-beta and within tau of the top-1 log-probability. `lprobs` [N*m, V] covers
-        every slot. Same packing as `_accept`."""
-        n, m = block.shape
+        every slot."""
+        n, m = block.tokens.shape
         best_lp, best = lprobs.max(dim=1)
         best, best_lp = best.view(n, m), best_lp.view(n, m)
-        draft = block[:, 1:]
+        draft = block.tokens[:, 1:]
         pred = lprobs.view(n, m, -1)[:, :-1]
         draft_lp = pred.gather(2, draft.unsqueeze(2)).squeeze(2)
         top = pred.topk(min(self.beta, pred.size(2)), dim=2).indices
         ok = top.eq(draft.unsqueeze(2)).any(2) & (draft_lp >= best_lp[:, :-1] - self.tau)
-        ok &= ~block_pad[:, 1:]
-        accepted = ok.long().cumprod(1).sum(1)
+        ok &= ~torch.as_tensor(block.pad[:, 1:], device=draft.device)
         dtype = torch.promote_types(lprobs.dtype, torch.float32)
-        pad_col = lprobs.new_zeros(n, 1, dtype=dtype)
-        return torch.stack([
-            best.to(dtype), best_lp.to(dtype),
-            torch.cat([draft.to(dtype), pad_col], 1), torch.cat([draft_lp.to(dtype), pad_col], 1),
-            accepted.to(dtype).unsqueeze(1).expand(n, m),
-        ]).cpu().numpy()
+        return Verdict(**to_host(best=best, best_lp=best_lp.to(dtype), draft=draft, draft_lp=draft_lp.to(dtype),
+                                 accepted=ok.long().cumprod(1).sum(1)))
 
-    def _verify_lprobs(self, block, steps, block_pad, enc, g: Group, max_step: int, slots: Optional[Slots]) -> Tensor:
-        """Log-probs [N*m, V] at every block slot (or [T, V] at the real `slots`), averaged over
-        the ensemble like fairseq."""
-        outs = []
-        for i, mdl in enumerate(self.model.models):
-            logits = self.blocks[i](block, steps, enc[i], g.cache.states[i], block_pad, max_position=max_step,
-                                    slots=slots)
-            logits = logits.div_(self.temperature) if self.temperature != 1.0 else logits
-            outs.append(mdl.get_normalized_probs((logits, None), log_probs=True))
-        lprobs = outs[0] if len(outs) == 1 else torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
+    def _verify_lprobs(self, g: DraftCohort, block: Block, steps: Tensor) -> Tensor:
+        """Log-probs [N*m, V] at every block slot (or [T, V] at the real `block.slots`), averaged
+        over the ensemble like fairseq."""
+        enc = g.cache.source_inputs(block.tokens.device)
+        top = int(block.steps.max())
+        logits = [blk(block.tokens, steps, e, state, block.pad_t, max_position=top, slots=block.slots)
+                  for blk, e, state in zip(self.blocks, enc, g.cache.states)]
+        lprobs = ensemble_lprobs(self.model.models, logits, self.temperature)
         return lprobs.view(-1, lprobs.size(-1))
 
     def _hypo(self, out: List[int], lp: List[float], dev) -> Dict[str, Tensor]:
         pos = torch.tensor(lp, dtype=torch.float32, device=dev)  # on the model's device, as fairseq's output
         total = pos.sum()
         score = total / (len(out) ** self.len_penalty) if self.normalize_scores else total
-        return {"tokens": torch.tensor(out, device=dev), "score": score, "attention": torch.empty(0),
-                "alignment": torch.empty(0), "positional_scores": pos}
+        return hypothesis(torch.tensor(out, device=dev), score, pos)

@@ -1,14 +1,17 @@
-"""Source preparation shared by the generators: lengths, limits, and encoding admitted subsets."""
+"""What the generators share: a window's sources, the spec they decode with, hypothesis dicts, the host copy."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..search.penalties import source_max_len
+from ..spec import DecodeSpec, UsageError
 
 
 @dataclass
@@ -71,3 +74,59 @@ class Sources:
         """Source tokens of window row `row` (without padding, with EOS)."""
         t = self.net_input["src_tokens"][row]
         return t[t.ne(self.pad)].tolist()
+
+
+def family_spec(spec: Optional[DecodeSpec], options: dict, family: str, default: str) -> DecodeSpec:
+    """A generator's spec: `spec`, or one built from keyword `options` (decoding `default` unless
+    given); its decoding must be of the generator's `family` (spec.DECODINGS)."""
+    if spec is None:
+        spec = DecodeSpec(**{"decoding": default, **options})
+    elif options:
+        raise TypeError(f"pass a spec or options, not both (got {sorted(options)})")
+    if spec.kind.family != family:
+        raise UsageError(f"--decoding {spec.decoding} is not a {family} decoding")
+    return spec
+
+
+def sequence_generator_args(spec: DecodeSpec) -> dict:
+    """fairseq SequenceGenerator's arguments from a spec (the generators keep its attributes)."""
+    names = ("max_len_a", "max_len_b", "max_len", "min_len", "normalize_scores", "len_penalty", "unk_penalty",
+             "temperature", "eos", "symbols_to_strip_from_output", "tokens_to_suppress", "lm_weight",
+             "match_source_len")
+    return {"beam_size": spec.beam, **{n: getattr(spec, n) for n in names}}
+
+
+def hypothesis(tokens: Tensor, score: Tensor, positional_scores: Tensor,
+               attention: Optional[Tensor] = None) -> Dict[str, Tensor]:
+    """A hypothesis as fairseq's generator returns it (tokens end with EOS)."""
+    return {"tokens": tokens, "score": score, "attention": torch.empty(0) if attention is None else attention,
+            "alignment": torch.empty(0), "positional_scores": positional_scores}
+
+
+def empty_hypothesis(eos: int, device) -> Dict[str, Tensor]:
+    """Defined output for a source whose every candidate was invalid (e.g. all -inf)."""
+    return hypothesis(torch.tensor([eos], device=device), torch.tensor(-math.inf, device=device),
+                      torch.tensor([-math.inf], device=device))
+
+
+def to_host(**parts: Tensor) -> Dict[str, np.ndarray]:
+    """Several tensors brought to the host in one copy (one synchronization on CUDA), by name, in
+    their own shapes: bools and integers travel as int64, float32/64 as their bits (exact)."""
+    flat = []
+    for t in parts.values():
+        if t.is_floating_point():
+            t = t.contiguous().view(_BITS[t.dtype][0])
+        flat.append(t.reshape(-1).long())
+    host = torch.cat(flat).cpu().numpy()
+    out, i = {}, 0
+    for name, t in parts.items():
+        chunk, i = host[i:i + t.numel()], i + t.numel()
+        if t.is_floating_point():
+            chunk = chunk.astype(_BITS[t.dtype][1]).view(_BITS[t.dtype][2])
+        elif t.dtype == torch.bool:
+            chunk = chunk.astype(bool)
+        out[name] = chunk.reshape(tuple(t.shape))
+    return out
+
+
+_BITS = {torch.float32: (torch.int32, np.int32, np.float32), torch.float64: (torch.int64, np.int64, np.float64)}

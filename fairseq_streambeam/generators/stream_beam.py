@@ -16,71 +16,72 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
-from ..adapters import alignment as attention
-from ..runtime.block_step import BlockDecoder, block_decodable
+from ..adapters import alignment
+from ..runtime.block_step import BlockDecoder, block_decodable, ensemble_lprobs
 from ..runtime.counters import Counters
 from ..runtime.driver import Driver, Engine
-from ..runtime.kv_cache import KVCache, check_incremental, check_vocabulary, stand_in, transformer_decoders
+from ..runtime.kv_cache import (
+    KVCache,
+    check_incremental,
+    check_vocabulary,
+    max_positions,
+    stand_in,
+    transformer_decoders,
+)
 from ..runtime.lean_encoder import forward_encoder
 from ..runtime.rows import Rows
 from ..runtime.scheduler import RAGGED, Budget, Scheduler
 from ..scorers.base import ScorerStack
 from ..search.beam_state import Beams, rank_candidates
-from ..search.finalize import build_finalize
+from ..search.finalize import Ranked, build_finalize
 from ..search.penalties import FairseqPenalties
 from ..search.pruning import Pruning
-from .common import Sources
-
-DECODINGS = ("beam", "greedy", "var-batch", "var-stream", "fixed-stream")
-STREAMING = ("var-stream", "fixed-stream")
-PAPER_DELTA = 1.5  # Yang et al. 2020, Table 1 settings
-PAPER_M = 5
-ORDERS = ("min-length", "fifo", "continuous")
-ADMIT_ORDERS = ("shortest-first", "longest-first")
+from ..spec import DecodeSpec, UsageError
+from .common import Sources, empty_hypothesis, family_spec, hypothesis, sequence_generator_args, to_host
 
 logger = logging.getLogger(__name__)
 
 
+class LiveRows(NamedTuple):
+    """The rows a step expands: their tokens [N, L + 1], cohort-local sources [N], and their
+    indices among the cohort's candidate rows (None: every row)."""
+
+    tokens: Tensor
+    src: Tensor
+    idx: Optional[Tensor]
+
+
+class Selection(NamedTuple):
+    """A step's decisions on the device: ranked candidates [B, R], which are final and which
+    continue, which sources are done, and each source's best lost EOS candidate (improved, rank)."""
+
+    ranked: Ranked
+    final: Tensor
+    keep: Tensor
+    done: Tensor
+    improved: Tensor
+    lost_rank: Tensor
+
+
 @dataclass
-class DecodeMode:
-    """Resolved decoding mode: pruning, finalization rule and scheduling policy."""
+class StepHost:
+    """The host copy of a Selection, made once per step (the step's one synchronization)."""
 
-    name: str
-    pruning: Pruning
-    finalize: str
-    policy: str
-
-    @staticmethod
-    def resolve(decoding: str, beam_size: int, delta: Optional[float], max_cands: Optional[int],
-                finalize: str = "auto", stream_order: str = "min-length") -> DecodeMode:
-        if decoding not in DECODINGS:
-            raise ValueError(f"unknown --decoding {decoding!r}; expected one of {DECODINGS}")
-        variable = decoding.startswith("var-")
-        if not variable and (delta is not None or max_cands is not None):
-            raise ValueError(
-                f"--prune-abs-threshold/--prune-max-cands only apply to var-batch and var-stream, "
-                f"not --decoding {decoding}"
-            )
-        if decoding == "greedy":
-            beam_size = 1
-        pruning = Pruning(
-            beam_size=beam_size,
-            delta=(PAPER_DELTA if delta is None else delta) if variable else math.inf,
-            max_cands=(PAPER_M if max_cands is None else max_cands) if variable else 0,
-        )
-        if finalize == "auto":
-            finalize = "sticky" if variable else "fairseq"
-        if stream_order not in ORDERS:
-            raise ValueError(f"--stream-order must be one of {ORDERS}, got {stream_order!r}")
-        policy = stream_order if decoding in STREAMING else "batch"
-        return DecodeMode(decoding, pruning, finalize, policy)
+    final: np.ndarray  # [B, R] bool
+    keep: np.ndarray  # [B, R] bool
+    carried: np.ndarray  # [B, R] bool
+    eos: np.ndarray  # [B, R] bool
+    parent: np.ndarray  # [B, R] cohort row of each candidate's parent
+    done: np.ndarray  # [B] bool
+    improved: np.ndarray  # [B] bool
+    lost_rank: np.ndarray  # [B]
 
 
 @dataclass
@@ -115,11 +116,12 @@ class SourceState(Rows):
             steps_t=torch.zeros(n, dtype=torch.long, device=device) if ragged else None, prefix=prefix)
 
 
-class Cohort:
-    """Live sources whose candidates all have `length` decoded tokens, with their beams and cache.
-    Ragged (continuous order): sources at different steps share the cohort; `length` is then the
-    furthest source's step, beams' tokens and cum are right-aligned (each row's last token in the
-    last column, padding on the left) and every row steps at its own position."""
+class BeamCohort:
+    """Live sources whose candidates have all taken `steps` decoder steps (decoded that many
+    tokens), with their beams and cache: the driver's Cohort for beam search. Ragged (continuous
+    order): sources at different steps share the cohort; `steps` is then the furthest source's,
+    beams' tokens and cum are right-aligned (each row's last token in the last column, padding on
+    the left) and every row steps at its own position."""
 
     def __init__(self, src: SourceState, beams: Beams, cache: KVCache, serial: int, ragged: bool = False):
         self.src = src
@@ -127,7 +129,7 @@ class Cohort:
         self.cache = cache
         self.ragged = ragged
         self.src_width = int(src.src_len.max())  # encoder positions
-        self.length = 0
+        self.steps = 0
         self.waited = 0
         self.first_serial = serial
         self.backoff: Dict[int, Dict[str, Tensor]] = {}  # window row -> the backoff hypothesis
@@ -147,14 +149,14 @@ class Cohort:
         return self.beams.rows
 
     @staticmethod
-    def merge(a: Cohort, b: Cohort, pad: int = 1) -> Cohort:
+    def merge(a: BeamCohort, b: BeamCohort, pad: int = 1) -> BeamCohort:
         """b's sources appended to a's. Cohorts of different lengths merge only when ragged: the
         shorter one's tokens are left-padded with `pad` (its cum with 0) to the longer's width."""
-        assert a.length == b.length or (a.ragged and b.ragged)
+        assert a.steps == b.steps or (a.ragged and b.ragged)
         off = a.n_sources  # b's sources follow a's
-        length = max(a.length, b.length)
-        a.beams = Beams.cat([_widen(a.beams, length, pad), _widen(b.beams, length, pad)], [0, off])
-        a.length = length
+        steps = max(a.steps, b.steps)
+        a.beams = Beams.cat([_widen(a.beams, steps, pad), _widen(b.beams, steps, pad)], [0, off])
+        a.steps = steps
         a.src = SourceState.cat([a.src, b.src])
         a.cache = KVCache.cat([a.cache, b.cache])
         a.src_width = max(a.src_width, b.src_width)
@@ -162,99 +164,54 @@ class Cohort:
         a.live_h = np.concatenate([a.live_h, b.live_h])
         a.len_h = np.concatenate([a.len_h, b.len_h])
         a.cache_src_h = np.concatenate([a.cache_src_h, b.cache_src_h + off])
-        a.attn = None if a.attn is None else attention.cat(a.attn, b.attn)  # type: ignore[arg-type]
+        a.attn = None if a.attn is None else alignment.cat(a.attn, b.attn)  # type: ignore[arg-type]
         a.waited = 0
         a.first_serial = min(a.first_serial, b.first_serial)
         return a
 
 
 class StreamBeamGenerator(SequenceGenerator):
-    """Drop-in for fairseq's SequenceGenerator (same `generate`/`_generate` signature and output).
+    """Drop-in for fairseq's SequenceGenerator (same `generate`/`_generate` signature and output),
+    for the beam decodings of spec.DECODINGS: beam, greedy, var-batch, var-stream, fixed-stream.
 
-    decoding: beam | greedy | var-batch | var-stream | fixed-stream. delta / max_cands: the paper's
-    pruning (var-* only; defaults 1.5 and 5). finalize: fairseq | sticky | auto (sticky for var-*).
-    finish_count (z): finished hypotheses that end a source under the sticky rule (default k; an
-    error with the fairseq rule). nbest: hypotheses the caller reads, at most those that end a source.
-    budget: live sources for streaming modes. refill_eps: refill when fewer than eps*n are live.
-    stream_admit: shortest-first | longest-first, the order streaming admits a window's sources.
-    max_wait: step a cohort that waited this many steps first (latency bound; 0 = off).
+    `spec` (a spec.DecodeSpec), or its fields as keyword arguments (fairseq's generation options
+    under SequenceGenerator's names: `StreamBeamGenerator(models, d, beam_size=5,
+    decoding="var-stream")`). `scorers`: per-step additive or masking terms (scorers/). `budget`:
+    live sources for streaming. `lm_model`: shallow fusion, as fairseq's.
     """
 
-    def __init__(
-        self,
-        models,
-        tgt_dict,
-        beam_size: int = 1,
-        max_len_a: float = 0,
-        max_len_b: int = 200,
-        max_len: int = 0,
-        min_len: int = 1,
-        normalize_scores: bool = True,
-        len_penalty: float = 1.0,
-        unk_penalty: float = 0.0,
-        temperature: float = 1.0,
-        tokens_to_suppress=(),
-        no_repeat_ngram_size: int = 0,
-        match_source_len: bool = False,
-        lm_model=None,
-        lm_weight: float = 1.0,
-        eos: Optional[int] = None,
-        symbols_to_strip_from_output=None,
-        decoding: str = "beam",
-        delta: Optional[float] = None,
-        max_cands: Optional[int] = None,
-        finalize: str = "auto",
-        nbest: int = 1,
-        finish_count: Optional[int] = None,
-        stream_order: str = "min-length",
-        stream_admit: str = "shortest-first",
-        budget: Optional[Budget] = None,
-        refill_eps: float = 1 / 6,
-        max_wait: int = 0,
-        keep_encoder_out: Optional[bool] = None,
-        profile: bool = False,
-        print_alignment: Optional[str] = None,
-        scorers: Sequence = (),
-    ):
-        super().__init__(
-            models, tgt_dict, beam_size=beam_size, max_len_a=max_len_a, max_len_b=max_len_b,
-            max_len=max_len, min_len=min_len, normalize_scores=normalize_scores,
-            len_penalty=len_penalty, unk_penalty=unk_penalty, temperature=temperature, eos=eos,
-            symbols_to_strip_from_output=symbols_to_strip_from_output,
-            tokens_to_suppress=tokens_to_suppress, lm_model=lm_model, lm_weight=lm_weight,
-            match_source_len=match_source_len,
-        )
+    def __init__(self, models, tgt_dict, spec: Optional[DecodeSpec] = None, scorers: Sequence = (),
+                 budget: Optional[Budget] = None, lm_model=None, **options):
+        spec = family_spec(spec, options, "beam", "beam")
+        super().__init__(models, tgt_dict, lm_model=lm_model, **sequence_generator_args(spec))
         check_incremental(self.model)
         check_vocabulary(self.model, tgt_dict)
-        self.mode = DecodeMode.resolve(decoding, self.beam_size, delta, max_cands, finalize, stream_order)
-        self.pruning = self.mode.pruning
-        if stream_admit not in ADMIT_ORDERS:
-            raise ValueError(f"--stream-admit must be one of {ADMIT_ORDERS}, got {stream_admit!r}")
-        self.admit_longest_first = stream_admit == "longest-first"
-        self.finalizer = build_finalize(self.mode.finalize, self.pruning.beam_size, finish_count, nbest)
+        self.spec = spec
+        p = spec.pruning
+        self.pruning = Pruning(self.beam_size, p.delta, p.max_cands)  # fairseq caps k at the vocabulary
+        self.finalizer = build_finalize(spec.rule, self.beam_size, spec.finish_count, spec.nbest)
         # fixed beams under fairseq's rule rank ties in fairseq's order (search/beam_state.py)
-        self.rank_like_fairseq = self.pruning.is_fixed and self.mode.finalize == "fairseq"
-        policy = self.mode.policy
+        self.rank_like_fairseq = self.pruning.is_fixed and spec.rule == "fairseq"
+        policy = spec.policy
         if policy in RAGGED:
-            why = _no_ragged_steps(self.model, lm_model, print_alignment)
+            why = _no_ragged_steps(self.model, lm_model, spec.print_alignment)
             if why:
                 logger.info("--stream-order %s falls back to min-length: %s", policy, why)
                 policy = "min-length"
         # rows at different steps go through the block step, one decoder call per cohort step
         self.blocks = [BlockDecoder(m.decoder) for m in self.model.models] if policy in RAGGED else []
-        self.scheduler = Scheduler(policy, budget or Budget(), refill_eps, max_wait)
+        self.scheduler = Scheduler(policy, budget or Budget(), spec.refill_eps, spec.max_wait_steps)
         self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
         self.penalties = FairseqPenalties(
-            pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=unk_penalty, min_len=min_len,
-            suppress=self.token_indices_to_suppress, no_repeat_ngram=no_repeat_ngram_size,
+            pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=spec.unk_penalty, min_len=spec.min_len,
+            suppress=self.token_indices_to_suppress, no_repeat_ngram=spec.no_repeat_ngram_size,
         )
         self.mergeable = transformer_decoders(self.model)  # cohorts of equal length share one cache
-        self.keep_encoder_out = not self.mergeable if keep_encoder_out is None else keep_encoder_out
-        self.max_source_positions = _max_source_positions(self.model)
-        self.profile = profile
-        if print_alignment is not None and any(getattr(m, "full_context_alignment", False) for m in self.model.models):
-            raise ValueError("--print-alignment with a full-context alignment model needs --decoding fairseq")
-        self.print_alignment = None if print_alignment is None else str(print_alignment)  # hard | soft
+        self.keep_encoder_out = not self.mergeable
+        self.max_source_positions = max_positions(self.model.models, 0)
+        if spec.print_alignment and any(getattr(m, "full_context_alignment", False) for m in self.model.models):
+            raise UsageError("--print-alignment with a full-context alignment model needs --decoding fairseq")
+        self.print_alignment = spec.print_alignment  # hard | soft | None
         # additive / masking terms applied in order before top-k (LMBR, token masks): see scorers/base.py
         self.scorer = ScorerStack(scorers) if scorers else None
         self.counters = Counters()
@@ -282,20 +239,20 @@ class StreamBeamGenerator(SequenceGenerator):
         # longest first, long outputs start early and the window's last steps are fuller. Batch
         # modes keep fairseq's batch as it is. Output is per window row either way.
         order = list(range(n_src))
-        if self.mode.policy != "batch":
-            order.sort(key=lengths.__getitem__, reverse=self.admit_longest_first)
+        if self.spec.kind.streaming:
+            order.sort(key=lengths.__getitem__, reverse=self.spec.stream_admit == "longest-first")
         engine = Engine(
             admit=partial(self._admit, srcs, prefix_tokens=prefix_tokens, bos=bos, device=device, ragged=ragged),
             step=partial(self._step, results=results),
-            mergeable=lambda a, b: self.mergeable and a.length == b.length,
-            merge=partial(Cohort.merge, pad=self.pad),
+            mergeable=lambda a, b: self.mergeable and a.steps == b.steps,
+            merge=partial(BeamCohort.merge, pad=self.pad),
             joins_live=ragged,
         )
         self.driver.run(engine, lengths, order)
 
         out = [self._sorted(r) for r in results]
         if self.print_alignment:
-            attention.add_alignments(out, srcs.net_input["src_tokens"], self.pad, self.eos, self.print_alignment)
+            alignment.add_alignments(out, srcs.net_input["src_tokens"], self.pad, self.eos, self.print_alignment)
         self.counters.sentences += n_src
         self.counters.total_seconds += time.perf_counter() - t0
         return out
@@ -303,7 +260,7 @@ class StreamBeamGenerator(SequenceGenerator):
     # ---------------------------------------------------------------------------------------
 
     def _admit(self, srcs: Sources, new: List[int], serial: int, prefix_tokens: Optional[Tensor], bos: int, device,
-               ragged: bool = False) -> Cohort:
+               ragged: bool = False) -> BeamCohort:
         """Encode sources `new` (window rows) together and start their beams; `ragged`: cache
         their encoder keys now, so they can join a cohort of sources at other steps."""
         if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
@@ -324,122 +281,119 @@ class StreamBeamGenerator(SequenceGenerator):
             cache.prime(enc)  # the encoder keys are cached: outputs are no longer read
         src_len = np.array([srcs.lengths[i] for i in new])
         sources = SourceState.start(new, [srcs.max_lens[i] for i in new], src_len, device, dtype, ragged, prefix)
-        cohort = Cohort(sources, beams, cache, serial, ragged)
+        cohort = BeamCohort(sources, beams, cache, serial, ragged)
         if srcs.is_whole(new):  # fairseq's own batch: its padded width
             cohort.src_width = srcs.net_input["src_tokens"].size(1)
         if self.print_alignment:
-            cohort.attn = attention.start(len(new), device)
+            cohort.attn = alignment.start(len(new), device)
             cohort.sample_width, cohort.left_pad = srcs.net_input["src_tokens"].size(1), srcs.left_pad
             if srcs.left_pad:
                 sources.enc_start = cohort.src_width - src_len
         return cohort
 
-    def _step(self, c: Cohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
-        """One decoder step for cohort `c`: expand, rank, finalize, prune, reorder. Returns the
-        window rows of sources that finished."""
-        L = c.length  # ragged: the furthest source's step; sources' own steps are s.steps_h / s.steps_t
-        s = c.src
+    def _step(self, c: BeamCohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
+        """One decoder step for cohort `c`, in stages: score the live rows, select (rank, finalize,
+        prune), bring the selection to the host in one copy, emit finished hypotheses, advance
+        beams and cache, evict finished sources. Returns the window rows of sources that finished."""
+        live = self._live_rows(c)
+        lprobs, step_attn = self._score(c, live)
+        sel = self._select(c, lprobs)
+        h = StepHost(**to_host(final=sel.final, keep=sel.keep, carried=sel.ranked.carried, eos=sel.ranked.is_eos,
+                               parent=sel.ranked.parent, done=sel.done, improved=sel.improved,
+                               lost_rank=sel.lost_rank))
+        self._emit(c, sel.ranked, h, step_attn, results)
+        self._advance(c, sel.ranked, h, step_attn)
+        return self._evict(c, h, results)
+
+    def _live_rows(self, c: BeamCohort) -> LiveRows:
+        """The candidate rows the model expands (finished rows carried by the sticky rule are not)."""
         b = c.beams
-        ragged = c.ragged
-        all_live = bool(c.live_h.all())
-        if all_live:
-            tokens_in, row_src = b.tokens, b.src
-        else:
-            live_idx = torch.from_numpy(np.flatnonzero(c.live_h)).to(b.src.device)
-            tokens_in, row_src = b.tokens.index_select(0, live_idx), b.src.index_select(0, live_idx)
+        if c.live_h.all():
+            return LiveRows(b.tokens, b.src, None)
+        idx = torch.from_numpy(np.flatnonzero(c.live_h)).to(b.src.device)
+        return LiveRows(b.tokens.index_select(0, idx), b.src.index_select(0, idx), idx)
+
+    def _score(self, c: BeamCohort, live: LiveRows) -> Tuple[Tensor, Optional[Tensor]]:
+        """Log-probs [live rows, V] of the next token, as fairseq adjusts them (LM fusion, its
+        penalties), plus the scorers' terms; and the step's attention (alignment only)."""
         t = self._tick()
-        if ragged:
-            lprobs, step_attn = self._ragged_lprobs(c, tokens_in, row_src), None
+        step_attn = None
+        if c.ragged:
+            lprobs = self._ragged_lprobs(c, live.tokens, live.src)
         else:
-            lprobs, step_attn = self.model.forward_decoder(tokens_in, c.cache.decoder_inputs(row_src), c.cache.states,
-                                                           self.temperature)
+            lprobs, step_attn = self.model.forward_decoder(live.tokens, c.cache.decoder_inputs(live.src),
+                                                           c.cache.states, self.temperature)
         if self.lm_model is not None:  # shallow fusion as fairseq does it: the LM reads the whole prefix
-            lm_out = self.lm_model(tokens_in)
+            lm_out = self.lm_model(live.tokens)
             lprobs = lprobs + self.lm_weight * self.lm_model.get_normalized_probs(lm_out, log_probs=True)[:, -1, :]
-        dt = self._tock(t)
-        rows = tokens_in.size(0)
-        cnt = self.counters
-        cnt.model_seconds += dt
-        cnt.decoder_steps += 1
-        cnt.expansions += rows
-        cnt.padded_positions += rows * c.src_width
-        cnt.source_positions += int(s.src_len[c.cache_src_h].sum())
-        if cnt.trace is not None:
-            cnt.trace.append((L, rows, dt))
+        self.counters.count_step(c.steps, live.tokens.size(0), self._tock(t), c.src_width,
+                                 int(c.src.src_len[c.cache_src_h].sum()))
         c.cache.after_step()
-
-        if ragged:
-            lprobs = self._ragged_penalties(c, lprobs, row_src, tokens_in)
+        if c.ragged:
+            lprobs = self._ragged_penalties(c, lprobs, live.src, live.tokens)
         else:
-            at_max = s.max_len_t.index_select(0, row_src) <= L if L >= min(s.max_len) else None
-            prefix = None
-            if s.prefix is not None and L < s.prefix.size(1):
-                prefix = s.prefix[:, L].index_select(0, row_src)
-            lprobs = self.penalties(lprobs, L, at_max, prefix, tokens_in)
+            lprobs = self._penalties(c, lprobs, live)
         if self.scorer is not None:
-            lprobs = self.scorer.score(lprobs, b.state if all_live else b.state.index_select(0, live_idx))
+            state = c.beams.state if live.idx is None else c.beams.state.index_select(0, live.idx)
+            lprobs = self.scorer.score(lprobs, state)
+        return lprobs, step_attn
 
-        n_src = len(s)
-        ranked = rank_candidates(b, lprobs, n_src, self.pruning, self.finalizer.ranked_per_source(),
+    def _penalties(self, c: BeamCohort, lprobs: Tensor, live: LiveRows) -> Tensor:
+        """fairseq's per-step adjustments for a cohort whose rows are all at step `c.steps`."""
+        s, L = c.src, c.steps
+        at_max = s.max_len_t.index_select(0, live.src) <= L if L >= min(s.max_len) else None
+        prefix = None
+        if s.prefix is not None and L < s.prefix.size(1):
+            prefix = s.prefix[:, L].index_select(0, live.src)
+        return self.penalties(lprobs, L, at_max, prefix, live.tokens)
+
+    def _select(self, c: BeamCohort, lprobs: Tensor) -> Selection:
+        """Rank each source's candidates, apply the finalization rule and delta pruning, and find
+        the sources that are done and the best EOS candidate lost on each (the backoff), on the device."""
+        s = c.src
+        ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked_per_source(),
                                  self.eos, self.pad, self.rank_like_fairseq)
         final, keep = self.finalizer.decide(ranked, s.n_final)
         # masked_fill with a Python -inf, not torch.where with new_tensor(-inf): a new device tensor
         # from a host number is a host-to-device copy, which synchronizes on CUDA
-        fin_best = ranked.scores.masked_fill(~final, -math.inf).max(1).values
-        s.best_final = torch.maximum(s.best_final, fin_best)
+        s.best_final = torch.maximum(s.best_final, ranked.scores.masked_fill(~final, -math.inf).max(1).values)
         keep = self.pruning.threshold_keep(ranked.scores, keep, s.best_final)
         s.n_final = s.n_final + final.sum(1)
-        done = (s.n_final >= self.finalizer.target) | ~keep.any(1) | (s.max_len_t <= (s.steps_t if ragged else L))
+        at_limit = s.max_len_t <= (s.steps_t if c.ragged else c.steps)
+        done = (s.n_final >= self.finalizer.target) | ~keep.any(1) | at_limit
         keep &= ~done.unsqueeze(1)
         lost = ranked.is_eos & ~final & ~keep
         lost_best, lost_rank = ranked.scores.masked_fill(~lost, -math.inf).max(1)
         improved = lost_best > s.lost_best
         s.lost_best = torch.maximum(s.lost_best, lost_best)
+        return Selection(ranked, final, keep, done, improved, lost_rank)
 
-        # the one host sync of the step: what is final, what continues, which sources are done
-        R = ranked.scores.size(1)
-        packed = torch.cat([
-            final.view(-1).long(), keep.view(-1).long(), ranked.carried.view(-1).long(),
-            ranked.is_eos.view(-1).long(), ranked.parent.view(-1), done.long(), improved.long(), lost_rank,
-        ]).cpu().numpy()
-        nr = n_src * R
-        final_h, keep_h, carried_h, eos_h, parent_h = (packed[j * nr:(j + 1) * nr] for j in range(5))
-        done_h = packed[5 * nr: 5 * nr + n_src].astype(bool)
-        improved_h, lost_rank_h = packed[5 * nr + n_src: 5 * nr + 2 * n_src], packed[5 * nr + 2 * n_src:]
-
-        dev = b.src.device
-        cache_row = np.cumsum(c.live_h) - 1  # live (decoder-cache) row of each candidate row
-
-        def child_attn(pos: np.ndarray) -> Optional[Tensor]:
-            """Attention histories of the ranked candidates at flat positions `pos` (alignment only)."""
-            if c.attn is None:
-                return None
-            if step_attn is None:
-                raise ValueError("--print-alignment needs a model whose decoder returns its attention")
-            par, stepped = parent_h[pos], ~carried_h[pos].astype(bool)
-            return attention.extend(c.attn, torch.from_numpy(par).to(dev), step_attn,
-                                    torch.from_numpy(np.where(stepped, cache_row[par], 0)).to(dev),
-                                    torch.from_numpy(stepped).to(dev))
-
-        fin_pos = np.flatnonzero(final_h)
+    def _emit(self, c: BeamCohort, ranked: Ranked, h: StepHost, step_attn: Optional[Tensor],
+              results: List[List[Dict[str, Tensor]]]) -> None:
+        """Finished candidates become hypotheses; a better lost EOS candidate becomes a source's backoff."""
+        R = h.final.shape[1]
+        fin_pos = np.flatnonzero(h.final)
         if fin_pos.size:
-            for row, hypo in self._hypotheses(c, ranked, fin_pos, parent_h, carried_h, R, child_attn(fin_pos)):
+            for row, hypo in self._hypotheses(c, ranked, fin_pos, h, self._child_attn(c, h, step_attn, fin_pos)):
                 results[row].append(hypo)
-        better = np.flatnonzero(improved_h)
+        better = np.flatnonzero(h.improved)
         if better.size:
-            pos = better * R + lost_rank_h[better]
-            for row, hypo in self._hypotheses(c, ranked, pos, parent_h, carried_h, R, child_attn(pos)):
+            pos = better * R + h.lost_rank[better]
+            for row, hypo in self._hypotheses(c, ranked, pos, h, self._child_attn(c, h, step_attn, pos)):
                 c.backoff[row] = hypo
 
-        kp = np.flatnonzero(keep_h)
-        survive = ~done_h
-        new_src_of = np.cumsum(survive) - 1
-        parents = parent_h[kp]
-        carried = carried_h[kp].astype(bool)
-        new_live = ~carried & ~eos_h[kp].astype(bool)
-        c.attn = child_attn(kp)
-        kp_t = torch.from_numpy(kp).to(dev)
-        par_t = torch.from_numpy(parents).to(dev)
+    def _advance(self, c: BeamCohort, ranked: Ranked, h: StepHost, step_attn: Optional[Tensor]) -> None:
+        """The kept candidates become the cohort's rows: beams, scorer state, host mirrors and the
+        cache follow their parents; rows of sources that are done are already dropped."""
+        b, s, R = c.beams, c.src, h.final.shape[1]
+        dev = b.src.device
+        kp = np.flatnonzero(h.keep)
+        new_src_of = np.cumsum(~h.done) - 1
+        parents = h.parent.reshape(-1)[kp]
+        carried = h.carried.reshape(-1)[kp]
+        new_live = ~carried & ~h.eos.reshape(-1)[kp]
+        c.attn = self._child_attn(c, h, step_attn, kp)
+        kp_t, par_t = torch.from_numpy(kp).to(dev), torch.from_numpy(parents).to(dev)
         tok = ranked.token.view(-1).index_select(0, kp_t)
         sc = ranked.scores.view(-1).index_select(0, kp_t)
         c.beams = Beams(
@@ -450,31 +404,48 @@ class StreamBeamGenerator(SequenceGenerator):
             state=None if self.scorer is None else self.scorer.advance(b.state.index_select(0, par_t), tok),
         )
         c.len_h = np.where(carried, c.len_h[parents], s.steps_h[kp // R] + 1)
+        cache_row = np.cumsum(c.live_h) - 1  # live (decoder-cache) row of each old candidate row
         row_src_old = (kp // R)[new_live]  # source of each new cache row, old numbering
         moved = not np.array_equal(row_src_old, c.cache_src_h)
         c.cache.reorder(torch.from_numpy(cache_row[parents[new_live]]).to(dev), sources_moved=moved)
         c.cache_src_h = new_src_of[row_src_old]
         c.live_h = new_live
 
-        done_ids = [s.ids[j] for j in np.flatnonzero(done_h)]
+    def _evict(self, c: BeamCohort, h: StepHost, results: List[List[Dict[str, Tensor]]]) -> List[int]:
+        """Sources that are done leave the cohort (with their backoff answer if nothing finished)."""
+        s = c.src
+        done_ids = [s.ids[j] for j in np.flatnonzero(h.done)]
         if done_ids:
             for row in done_ids:
                 if not results[row]:
                     self.counters.backoff_hypotheses += row in c.backoff
-                    results[row].append(c.backoff.get(row) or self._empty_hypo(dev))
+                    results[row].append(c.backoff.get(row) or empty_hypothesis(self.eos, c.beams.src.device))
                 c.backoff.pop(row, None)
-            keep_src = np.flatnonzero(survive)
+            keep_src = np.flatnonzero(~h.done)
             c.src = s = s.select(keep_src)
-            c.cache.select_sources(torch.from_numpy(keep_src).to(dev))
-        c.length = L + 1
+            c.cache.select_sources(torch.from_numpy(keep_src).to(c.beams.src.device))
+        c.steps += 1
         s.steps_h = s.steps_h + 1
-        if ragged:
+        if c.ragged:
             s.steps_t = s.steps_t + 1  # type: ignore[operator]
             if len(s):
                 self._tidy_ragged(c)
         return done_ids
 
-    def _ragged_lprobs(self, c: Cohort, tokens_in: Tensor, row_src: Tensor) -> Tensor:
+    def _child_attn(self, c: BeamCohort, h: StepHost, step_attn: Optional[Tensor], pos: np.ndarray) -> Optional[Tensor]:
+        """Attention histories of the ranked candidates at flat positions `pos` (alignment only)."""
+        if c.attn is None:
+            return None
+        if step_attn is None:
+            raise ValueError("--print-alignment needs a model whose decoder returns its attention")
+        dev = c.beams.src.device
+        cache_row = np.cumsum(c.live_h) - 1
+        par, stepped = h.parent.reshape(-1)[pos], ~h.carried.reshape(-1)[pos]
+        return alignment.extend(c.attn, torch.from_numpy(par).to(dev), step_attn,
+                                torch.from_numpy(np.where(stepped, cache_row[par], 0)).to(dev),
+                                torch.from_numpy(stepped).to(dev))
+
+    def _ragged_lprobs(self, c: BeamCohort, tokens_in: Tensor, row_src: Tensor) -> Tensor:
         """Log-probs [N, V] of the live rows of a ragged cohort, each row's last token at its own
         position. fairseq's incremental decoder takes one position for the whole batch (the
         prefix width), so the rows go through `forward_block` as blocks of one token over the
@@ -484,17 +455,11 @@ class StreamBeamGenerator(SequenceGenerator):
         tokens = tokens_in[:, -1:]
         top = int(c.src.steps_h.max())
         encs = stand_in(self.model, tokens.size(0), tokens.device)
-        outs = []
-        for m, block, state, enc in zip(self.model.models, self.blocks, c.cache.states, encs):
-            logits = block(tokens, positions, enc, state, None, max_position=top)
-            if self.temperature != 1.0:
-                logits = logits.div_(self.temperature)
-            outs.append(m.get_normalized_probs((logits, None), log_probs=True)[:, -1, :])
-        if len(outs) == 1:
-            return outs[0]
-        return torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))
+        logits = [block(tokens, positions, enc, state, None, max_position=top)
+                  for block, state, enc in zip(self.blocks, c.cache.states, encs)]
+        return ensemble_lprobs(self.model.models, logits, self.temperature)[:, -1, :]
 
-    def _ragged_penalties(self, c: Cohort, lprobs: Tensor, row_src: Tensor, tokens_in: Tensor) -> Tensor:
+    def _ragged_penalties(self, c: BeamCohort, lprobs: Tensor, row_src: Tensor, tokens_in: Tensor) -> Tensor:
         """fairseq's per-step adjustments for rows at their sources' own steps: the length limit
         and the minimum length per row. The rows' prefixes are left-padded, which n-gram blocking
         never matches (padding is never a token of a prefix)."""
@@ -509,59 +474,46 @@ class StreamBeamGenerator(SequenceGenerator):
             lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(steps < self.min_len, -math.inf)
         return lprobs
 
-    def _tidy_ragged(self, c: Cohort) -> None:
+    def _tidy_ragged(self, c: BeamCohort) -> None:
         """After a ragged step: drop the token columns and the cache slots no source reaches any
         more. Every row's slots end at the cache's last slot (rows step together; a joining row
         has none yet), so all but the furthest source's `top` last slots are masked in every row
         and are cut off as a view."""
         top = int(c.src.steps_h.max())
-        if top < c.length:
+        if top < c.steps:
             b = c.beams
             c.beams = Beams(tokens=b.tokens[:, b.tokens.size(1) - top - 1:], cum=b.cum[:, b.cum.size(1) - top:],
                             src=b.src, live=b.live, state=b.state)
-            c.length = top
+            c.steps = top
         if c.live_h.any() and c.cache.length > top:
             c.cache.truncate(top, last=True)
 
-    def _hypotheses(self, c: Cohort, ranked, fin_pos: np.ndarray, parent_h: np.ndarray,
-                    carried_h: np.ndarray, R: int, attn: Optional[Tensor] = None):
+    def _hypotheses(self, c: BeamCohort, ranked: Ranked, pos: np.ndarray, h: StepHost, attn: Optional[Tensor] = None):
         """fairseq hypothesis dicts (tokens end with EOS) of ranked candidates at flat positions
-        `fin_pos`, as (window row, hypothesis) pairs; `attn` [F, L + 1, S] their attention
-        histories (--print-alignment), returned in the sample's layout."""
-        b = c.beams
+        `pos`, as (window row, hypothesis) pairs; `attn` [F, L + 1, S] their attention histories
+        (--print-alignment), returned in the sample's layout."""
+        b, s, R = c.beams, c.src, h.final.shape[1]
         dev = b.src.device
-        idx = torch.from_numpy(fin_pos).to(dev)
-        parents = parent_h[fin_pos]
+        parents = h.parent.reshape(-1)[pos]
         par_t = torch.from_numpy(parents).to(dev)
-        raw = ranked.scores.view(-1).index_select(0, idx)
+        raw = ranked.scores.view(-1).index_select(0, torch.from_numpy(pos).to(dev))
         toks = torch.cat([b.tokens.index_select(0, par_t)[:, 1:],
-                          torch.full((len(fin_pos), 1), self.eos, dtype=torch.long, device=dev)], 1)
+                          torch.full((len(pos), 1), self.eos, dtype=torch.long, device=dev)], 1)
         cum = torch.cat([b.cum.index_select(0, par_t), raw.unsqueeze(1)], 1)
-        pos = cum.clone()
-        pos[:, 1:] = cum[:, 1:] - cum[:, :-1]
-        src_of = fin_pos // R
-        s = c.src
-        lens = np.where(carried_h[fin_pos].astype(bool), c.len_h[parents], s.steps_h[src_of] + 1)
+        step_lp = cum.clone()
+        step_lp[:, 1:] = cum[:, 1:] - cum[:, :-1]
+        src_of = pos // R
+        lens = np.where(h.carried.reshape(-1)[pos], c.len_h[parents], s.steps_h[src_of] + 1)
         start = b.tokens.size(1) - 1 - s.steps_h[src_of]  # 0 unless ragged (right-aligned rows)
+        score = raw
         if self.normalize_scores:
-            div = torch.tensor([float(n) ** self.len_penalty for n in lens], dtype=raw.dtype, device=dev)
-            score = raw / div
-        else:
-            score = raw
-        for j, p in enumerate(fin_pos):
-            n, src, s0 = int(lens[j]), p // R, int(start[j])
-            yield s.ids[src], {
-                "tokens": toks[j, s0:s0 + n], "score": score[j],
-                "attention": torch.empty(0) if attn is None else attention.in_sample_layout(
-                    attn[j, :n], int(s.enc_start[src]), int(s.src_len[src]), c.sample_width, c.left_pad),
-                "alignment": torch.empty(0), "positional_scores": pos[j, s0:s0 + n],
-            }
-
-    def _empty_hypo(self, dev) -> Dict[str, Tensor]:
-        """Defined output for a source whose every candidate was invalid (e.g. all -inf)."""
-        return {"tokens": torch.tensor([self.eos], device=dev), "score": torch.tensor(-math.inf, device=dev),
-                "attention": torch.empty(0), "alignment": torch.empty(0),
-                "positional_scores": torch.tensor([-math.inf], device=dev)}
+            score = raw / torch.tensor([float(n) ** self.len_penalty for n in lens], dtype=raw.dtype, device=dev)
+        for j, src in enumerate(src_of):
+            n, s0 = int(lens[j]), int(start[j])
+            yield s.ids[src], hypothesis(
+                toks[j, s0:s0 + n], score[j], step_lp[j, s0:s0 + n],
+                None if attn is None else alignment.in_sample_layout(
+                    attn[j, :n], int(s.enc_start[src]), int(s.src_len[src]), c.sample_width, c.left_pad))
 
     @staticmethod
     def _sorted(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
@@ -571,23 +523,12 @@ class StreamBeamGenerator(SequenceGenerator):
         return [hypos[i] for i in order]
 
     def _tick(self) -> float:
-        if self.profile and torch.cuda.is_available():
+        if self.spec.profile and torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter()
 
     def _tock(self, t: float) -> float:
         return self._tick() - t
-
-
-def _max_source_positions(model) -> int:
-    best = math.inf
-    for m in model.models:
-        mp = m.max_positions() if hasattr(m, "max_positions") else None
-        if isinstance(mp, tuple):
-            mp = mp[0]
-        if isinstance(mp, int):
-            best = min(best, mp)
-    return int(best) if best != math.inf else 10**9
 
 
 def _widen(b: Beams, length: int, pad: int) -> Beams:

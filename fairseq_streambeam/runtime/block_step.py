@@ -12,15 +12,13 @@ rows of different real lengths are handled: masked slots get exactly zero attent
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from .kv_cache import cached_length
+from .kv_cache import IncState, cached_length
 from .lean_layer import Slots, lean_layers, lean_supported
-
-IncState = Dict[str, Dict[str, Optional[Tensor]]]
 
 
 def block_decodable(decoder) -> bool:
@@ -142,3 +140,16 @@ class BlockDecoder:
 def forward_block(decoder, *args, **kwargs) -> Tensor:
     """`BlockDecoder(decoder)(...)`, reusing nothing between calls (training, one-off calls)."""
     return BlockDecoder(decoder)(*args, **kwargs)
+
+
+def ensemble_lprobs(models, logits: List[Tensor], temperature: float) -> Tensor:
+    """fairseq EnsembleModel.forward_decoder's scores from each model's logits (as block decoders
+    return them): temperature, normalized log-probs, then the log-mean-exp over the models."""
+    outs = []
+    for m, x in zip(models, logits):
+        if temperature != 1.0:
+            x = x.div_(temperature)
+        outs.append(m.get_normalized_probs((x, None), log_probs=True))
+    if len(outs) == 1:
+        return outs[0]
+    return torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))

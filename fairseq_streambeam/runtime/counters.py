@@ -24,6 +24,17 @@ class Counters:
     # (target length, rows, model seconds) per decoder step, kept only when set to a list
     trace: Optional[List[Tuple[int, int, float]]] = field(default=None, repr=False)
 
+    def count_step(self, length: int, rows: int, seconds: float, src_width: int, source_positions: int) -> None:
+        """One beam step: `rows` candidates expanded at target length `length` in `seconds`, over
+        cohort source width `src_width` of which `source_positions` are real."""
+        self.model_seconds += seconds
+        self.decoder_steps += 1
+        self.expansions += rows
+        self.padded_positions += rows * src_width
+        self.source_positions += source_positions
+        if self.trace is not None:
+            self.trace.append((length, rows, seconds))
+
     @property
     def padding_share(self) -> float:
         """Beam modes: share of padding in the source positions the decoder attends to; aggressive
@@ -58,6 +69,8 @@ class Counters:
 
     def summary(self) -> str:
         d = self.as_dict()
+        if not self.decoder_steps:  # fairseq's own generator: only sentences and time are counted
+            return f"{d['sentences']} sentences, {d['sentences_per_second']} sentences/s"
         accepted = f", {d['accepted_per_pass']} tokens accepted per row and pass" if self.accepted_tokens else ""
         return (
             f"{d['sentences']} sentences, {d['decoder_steps']} decoder steps, {d['expansions']} expansions "

@@ -1,9 +1,9 @@
 """Streaming driver: admit, step, evict, merge; the loop of every generator in the package.
 
-A generator hands the driver an `Engine`: how to start a group of new sources, how to step a
-group (one beam step, or one draft-and-verify pass), and which groups may merge. The driver
-decides when sources enter and which group steps next (a runtime.scheduler.Scheduler), counts
-the live budget, and merges groups once they can share a decoder call. The schedule changes
+A generator hands the driver an `Engine`: how to start a cohort of new sources, how to step a
+cohort (one beam step, or one draft-and-verify pass), and which cohorts may merge. The driver
+decides when sources enter and which cohort steps next (a runtime.scheduler.Scheduler), counts
+the live budget, and merges cohorts once they can share a decoder call. The schedule changes
 speed, never output: every source evolves independently of the others.
 """
 
@@ -11,34 +11,19 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Generic, List, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, List, Sequence, TypeVar
 
-from .scheduler import Scheduler
+from .scheduler import Cohort, Scheduler
 
-
-class Group(Protocol):
-    """A set of live sources decoded together (one cache, one decoder call per step)."""
-
-    length: int  # decoder steps taken so far (0: not stepped yet)
-    waited: int  # steps since this group last stepped (the scheduler's latency bound)
-    first_serial: int  # admission serial of its earliest source (fifo)
-
-    @property
-    def n_sources(self) -> int: ...
-
-    @property
-    def n_candidates(self) -> int: ...
-
-
-G = TypeVar("G", bound=Group)
+G = TypeVar("G", bound=Cohort)
 
 
 @dataclass
 class Engine(Generic[G]):
-    """What a generator does for the driver. `admit(rows, serial)`: a new group for window rows
-    `rows`; `step(group)`: one step, returning the window rows that finished; `mergeable(a, b)`
+    """What a generator does for the driver. `admit(rows, serial)`: a new cohort for window rows
+    `rows`; `step(cohort)`: one step, returning the window rows that finished; `mergeable(a, b)`
     and `merge(a, b)` (b's sources after a's). `joins_live`: new sources join the first live
-    group at once (their state is primed to step with rows further along)."""
+    cohort at once (their state is primed to step with rows further along)."""
 
     admit: Callable[[List[int], int], G]
     step: Callable[[G], List[int]]
@@ -58,15 +43,15 @@ class Driver:
     def run(self, engine: Engine[G], lengths: Sequence[int], order: Sequence[int]) -> None:
         """Decode the window's sources (`lengths`: tokens per window row) admitted in `order`."""
         sched = self.scheduler
-        groups: List[G] = []
+        cohorts: List[G] = []
         next_src, live_tokens = 0, 0
-        while next_src < len(order) or groups:
-            live = sum(g.n_sources for g in groups)
-            cands = sum(g.n_candidates for g in groups)
+        while next_src < len(order) or cohorts:
+            live = sum(g.n_sources for g in cohorts)
+            cands = sum(g.n_candidates for g in cohorts)
             if live:
                 self.width = 0.9 * self.width + 0.1 * (cands / live)
-            # a new group steps before more sources come (unless they join the live group at once)
-            waiting = not engine.joins_live and any(g.length == 0 for g in groups)
+            # a new cohort steps before more sources come (unless they join the live cohort at once)
+            waiting = not engine.joins_live and any(g.steps == 0 for g in cohorts)
             if next_src < len(order) and not waiting and sched.should_refill(live, live_tokens, cands):
                 pending = (lengths[i] for i in itertools.islice(order, next_src, None))
                 take = sched.admit(live, live_tokens, pending, cands, self.width)
@@ -75,22 +60,22 @@ class Driver:
                     next_src += take
                     live_tokens += sum(lengths[i] for i in rows)
                     new = engine.admit(rows, next_src)
-                    if engine.joins_live and groups:
-                        groups[0] = engine.merge(groups[0], new)
+                    if engine.joins_live and cohorts:
+                        cohorts[0] = engine.merge(cohorts[0], new)
                     else:
-                        groups.append(new)
-            i = sched.pick(groups)
-            g = groups[i]
-            for other in groups:
+                        cohorts.append(new)
+            i = sched.pick(cohorts)
+            g = cohorts[i]
+            for other in cohorts:
                 other.waited += 1
             g.waited = 0
             done = engine.step(g)
             live_tokens -= sum(lengths[j] for j in done)
             if not g.n_sources:
-                groups.pop(i)
+                cohorts.pop(i)
                 continue
-            for j, other in enumerate(groups):
+            for j, other in enumerate(cohorts):
                 if other is not g and engine.mergeable(other, g):
-                    groups[j] = engine.merge(other, g)
-                    groups.remove(g)
+                    cohorts[j] = engine.merge(other, g)
+                    cohorts.remove(g)
                     break

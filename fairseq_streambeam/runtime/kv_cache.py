@@ -182,6 +182,14 @@ class KVCache:
                     buf["prev_key_padding_mask"] = mask[:, keep]
                 mha._set_input_buffer(state, buf)
 
+    compact_slack = 16  # masked slots tolerated beyond twice the longest row before `compact_if_sparse` compacts
+
+    def compact_if_sparse(self, longest: int) -> None:
+        """Compact once the cache holds more than twice `longest` (the longest row's real slots) plus
+        `compact_slack` slots: rolled-back draft slots stay behind as masked slots until then."""
+        if self.length > 2 * longest + self.compact_slack:
+            self.compact()
+
     def compact(self) -> None:
         """Drop masked self-attention slots, keeping each row's valid slots in order (left-aligned).
         One host sync: the largest count of a row's valid slots."""
@@ -227,6 +235,18 @@ class KVCache:
 # --------------------------------------------------------------------------------------------
 # fairseq adapter functions
 # --------------------------------------------------------------------------------------------
+
+
+def max_positions(models, side: int) -> int:
+    """The fewest positions any of `models` takes on `side` (0: source, 1: target); 10**9 when
+    none says."""
+    best = 10**9
+    for m in models:
+        mp = m.max_positions() if hasattr(m, "max_positions") else None
+        mp = mp[side] if isinstance(mp, tuple) else mp
+        if isinstance(mp, int):
+            best = min(best, mp)
+    return best
 
 
 def check_incremental(model) -> None:

@@ -29,7 +29,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor, nn
 
-IncState = Dict[str, Dict[str, Optional[Tensor]]]
+from .kv_cache import IncState
 
 
 def plain_attention(mha: Optional[MultiheadAttention]) -> bool:

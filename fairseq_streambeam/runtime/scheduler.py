@@ -21,10 +21,19 @@ POLICIES = ("batch", "min-length", "fifo", "continuous")
 RAGGED = ("continuous",)  # policies whose one cohort holds sources at different steps
 
 
-class CohortLike(Protocol):
-    length: int
-    waited: int
-    first_serial: int
+class Cohort(Protocol):
+    """Live sources decoded together (one cache, one decoder call per step): a beam cohort, or a
+    draft-and-verify cohort of aggressive decoding."""
+
+    steps: int  # decoder steps taken so far (0: not stepped yet; draft-and-verify: passes)
+    waited: int  # steps since this cohort last stepped (the latency bound)
+    first_serial: int  # admission serial of its earliest source (fifo)
+
+    @property
+    def n_sources(self) -> int: ...
+
+    @property
+    def n_candidates(self) -> int: ...
 
 
 @dataclass
@@ -50,10 +59,6 @@ class Scheduler:
     def __init__(self, policy: str, budget: Budget, refill_eps: float = 1 / 6, max_wait: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {POLICIES}")
-        if not 0.0 <= refill_eps <= 1.0:
-            raise ValueError(f"--refill-eps must be in [0, 1], got {refill_eps}")
-        if max_wait < 0:
-            raise ValueError(f"--max-wait-steps must be >= 0, got {max_wait}")
         self.policy = policy
         self.budget = budget
         self.eps = refill_eps
@@ -92,7 +97,7 @@ class Scheduler:
             tokens += length
         return n
 
-    def pick(self, cohorts: Sequence[CohortLike]) -> int:
+    def pick(self, cohorts: Sequence[Cohort]) -> int:
         """Index of the cohort to step next."""
         if self.max_wait:
             waited = max(range(len(cohorts)), key=lambda i: cohorts[i].waited)
@@ -100,4 +105,4 @@ class Scheduler:
                 return waited
         if self.policy == "fifo":
             return min(range(len(cohorts)), key=lambda i: cohorts[i].first_serial)
-        return min(range(len(cohorts)), key=lambda i: cohorts[i].length)
+        return min(range(len(cohorts)), key=lambda i: cohorts[i].steps)

@@ -36,7 +36,6 @@ class FairseqFinalize:
     finished hypotheses or at its maximum length."""
 
     name = "fairseq"
-    carries_finished = False
 
     def __init__(self, beam_size: int):
         self.k = beam_size
@@ -63,7 +62,6 @@ class StickyFinalize:
     hypothesis, before others that may score better after length normalization have finished."""
 
     name = "sticky"
-    carries_finished = True
 
     def __init__(self, beam_size: int, finish_count: Optional[int] = None):
         self.k = beam_size

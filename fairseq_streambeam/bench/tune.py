@@ -8,7 +8,7 @@ writes to --out: `tune.md`, `tune.json` (every setting), `best.json` (a config f
 `python -m fairseq_streambeam.bench --config`), `best.args` (fairseq-generate option lines) and
 `best.hyp` (the dev outputs of the best setting).
 
-  python -m fairseq_streambeam.scorers.tune --data data-bin --path model.pt -s de -t en \\
+  python -m fairseq_streambeam.bench.tune --data data-bin --path model.pt -s de -t en \\
       --gen-subset valid --nbest valid.nbest --decoding beam --beam 5 --out tune-out
 """
 
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .build_posteriors import EvidenceError, add_evidence_args, load_evidence
-from .lmbr import write_posteriors
+from ..scorers.build_posteriors import EvidenceError, add_evidence_args, load_evidence
+from ..scorers.lmbr import write_posteriors
 
 Setting = Tuple[float, float, float]  # (alpha, lambda, theta0)
 PARAMS = ("alpha", "lambda", "theta0")
@@ -41,7 +41,7 @@ class Result:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.scorers.tune", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.bench.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="fairseq data-bin with the dev split")
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
@@ -111,25 +111,16 @@ class Tuner:
 
     def __init__(self, args: argparse.Namespace):
         import torch
-        from fairseq import checkpoint_utils, utils
 
-        import fairseq_streambeam  # noqa: F401  (registers the task)
-        from fairseq_streambeam.bench import data as bench_data
-        from fairseq_streambeam.options import StreamBeamConfig
-        from fairseq_streambeam.task import StreamBeamTranslationTask
+        from ..loader import load_models, load_task
+        from . import data as bench_data
 
         self.args = args
         self.out = Path(args.out)
         (self.out / "posteriors").mkdir(parents=True, exist_ok=True)
         self.cuda = torch.cuda.is_available() and not args.cpu
-        cfg = StreamBeamConfig(data=args.data, source_lang=args.source_lang, target_lang=args.target_lang,
-                               train_subset="train", dataset_impl=None, required_seq_len_multiple=1)
-        self.task = StreamBeamTranslationTask.setup_task(cfg)
-        self.models, _ = checkpoint_utils.load_model_ensemble(utils.split_paths(args.path), task=self.task)
-        for m in self.models:
-            m.eval()
-            if self.cuda:
-                m.cuda()
+        self.task = load_task(args.data, args.source_lang, args.target_lang)
+        self.models = load_models(self.task, args.path, self.cuda)
         self.ts = bench_data.from_data_bin(self.task, args.gen_subset, args.limit, args.post_process)
         self.evidence, summary = load_evidence(args, self.task.target_dictionary)
         missing = sum(orig not in self.evidence.sources for orig in self.ts.orig_ids)
@@ -155,21 +146,20 @@ class Tuner:
         import sacrebleu
         from tqdm import tqdm
 
-        from fairseq_streambeam.bench.__main__ import DEFAULTS, _run_fairseq_task
-        from fairseq_streambeam.bench.variants import Variant
+        from .__main__ import DEFAULTS, run_variant
+        from .variants import Variant
 
         a = self.args
-        c = self.task.cfg
-        c.lmbr_posteriors = None if setting is None else self._posteriors(setting[0])
-        c.lmbr_lambda, c.lmbr_theta0 = (None, None) if setting is None else (setting[1], setting[2])
-        c.lmbr_p, c.lmbr_r = a.lmbr_p, a.lmbr_r
+        lam, theta0 = (None, None) if setting is None else (setting[1], setting[2])
         settings = dict(DEFAULTS, beam=a.beam, batch_size=a.batch_size, max_tokens=a.max_tokens, lenpen=a.lenpen,
-                        max_len_b=a.max_len_b)
+                        max_len_b=a.max_len_b, lmbr_lambda=lam, lmbr_theta0=theta0, lmbr_p=a.lmbr_p, lmbr_r=a.lmbr_r)
+        posteriors = None if setting is None else self._posteriors(setting[0])
         label = "no LMBR" if setting is None else "alpha {:g} lambda {:g} theta0 {:g}".format(*setting)
         with tqdm(total=len(self.ts.dataset), desc=label, disable=a.quiet, leave=False, file=sys.stderr) as bar:
             t0 = time.perf_counter()
-            hyps, counters = _run_fairseq_task(self.task, self.models, Variant(a.decoding, a.decoding), settings,
-                                               self.ts, bar, self.cuda)
+            v = Variant(a.decoding, a.decoding, lmbr=setting is not None)
+            hyps, counters = run_variant(self.task, self.models, v, settings, self.ts, bar, self.cuda,
+                                         lmbr_file=posteriors)
             dt = time.perf_counter() - t0
         text = [self.ts.decode(hyps[i]) for i in range(len(self.ts.dataset))]
         bleu = sacrebleu.corpus_bleu(text, [self.ts.refs]).score

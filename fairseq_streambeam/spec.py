@@ -1,0 +1,324 @@
+"""One decoding spec: every option of a decoding, validated once, for every front end.
+
+`DecodeSpec` is frozen and typed. fairseq's generation options keep `SequenceGenerator`'s argument
+names (so a spec's fields are also the generators' keyword arguments); the plugin's options keep
+the task's option names. Building a spec validates it: a bad value, or an option that the
+decoding does not use, raises `UsageError` naming the flag. What a decoding is (its family, fixed
+or variable width, batch or streaming, default finalization rule) is the `DECODINGS` registry.
+Front ends build specs with `from_cli` (a task config and fairseq's generation options, or one
+argparse namespace) and check the files it names with `check_files`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .search.finalize import FINISH_COUNT_NEEDS_STICKY, finished_per_source
+from .search.pruning import Pruning
+
+
+class UsageError(ValueError):
+    """An option that contradicts another or is out of range. A command line reports it in one line
+    on stderr with exit status 2; Python callers catch a ValueError."""
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What `--decoding NAME` is: `family` beam (StreamBeamGenerator), draft (AggressiveGenerator)
+    or fairseq (fairseq's own SequenceGenerator); variable-width beams; streaming refill (sources
+    enter while others decode); the finalization rule `--finalize auto` means."""
+
+    name: str
+    family: str
+    variable: bool = False
+    streaming: bool = False
+    rule: str = "fairseq"
+
+
+DECODINGS: Dict[str, Decoding] = {d.name: d for d in (
+    Decoding("beam", "beam"),
+    Decoding("greedy", "beam"),
+    Decoding("var-batch", "beam", variable=True, rule="sticky"),
+    Decoding("var-stream", "beam", variable=True, streaming=True, rule="sticky"),
+    Decoding("fixed-stream", "beam", streaming=True),
+    Decoding("iad", "draft", streaming=True),
+    Decoding("gad", "draft", streaming=True),
+    Decoding("fairseq", "fairseq"),
+)}
+PAPER_DELTA, PAPER_M = 1.5, 5  # Yang et al. 2020, Table 1 settings
+ORDERS = ("min-length", "fifo", "continuous")
+ADMIT_ORDERS = ("shortest-first", "longest-first")
+FINALIZE_RULES = ("auto", "fairseq", "sticky")
+# --draft-min-reach when not given: a drafter's late slots are rarely reached, while iad's copied
+# drafts are usually right (docs/benchmarks.md, "Measurements behind the defaults")
+AUTO_MIN_REACH = {"gad": 0.25, "iad": 0.0}
+
+_VAR = ("var-batch and var-stream", lambda d: d.variable)
+_STREAM_BEAM = ("var-stream and fixed-stream", lambda d: d.family == "beam" and d.streaming)
+_STREAMING = ("the streaming decodings (var-stream, fixed-stream, iad, gad)", lambda d: d.streaming)
+_BEAM = ("the beam decodings", lambda d: d.family == "beam")
+_DRAFT = ("--decoding iad and gad", lambda d: d.family == "draft")
+_GAD = ("--decoding gad", lambda d: d.name == "gad")
+# option -> (the decodings it applies to, in words; test): set to anything but its default for
+# another decoding, it is refused rather than ignored
+APPLIES: Dict[str, Tuple[str, Callable[[Decoding], bool]]] = {
+    "prune_abs_threshold": _VAR, "prune_max_cands": _VAR,
+    "finalize": _BEAM, "no_repeat_ngram_size": _BEAM, "match_source_len": _BEAM, "print_alignment": _BEAM,
+    "lmbr_posteriors": _BEAM, "token_masks": _BEAM,
+    "stream_order": _STREAM_BEAM, "stream_admit": _STREAM_BEAM, "max_wait_steps": _STREAM_BEAM,
+    "refill_eps": _STREAMING, "stream_candidates": _STREAMING, "stream_window": _STREAMING,
+    "block_size": _DRAFT, "draft_min_reach": _DRAFT, "iad_ngram": ("--decoding iad", lambda d: d.name == "iad"),
+    "drafter": _GAD, "draft_lookup": _GAD, "draft_lookup_order": _GAD, "gad_beta": _GAD, "gad_tau": _GAD,
+    "draft_switch": _GAD,
+}
+FILES = ("lmbr_posteriors", "token_masks", "draft_lookup", "drafter")
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """Every option of one decoding (see the module docstring); derived settings are properties."""
+
+    decoding: str = "beam"
+    # fairseq's generation options, as SequenceGenerator names them
+    beam_size: int = 1
+    nbest: int = 1
+    max_len_a: float = 0
+    max_len_b: int = 200
+    max_len: int = 0
+    min_len: int = 1
+    normalize_scores: bool = True
+    len_penalty: float = 1.0
+    unk_penalty: float = 0.0
+    temperature: float = 1.0
+    no_repeat_ngram_size: int = 0
+    match_source_len: bool = False
+    print_alignment: Optional[str] = None
+    lm_weight: float = 1.0
+    eos: Optional[int] = None
+    tokens_to_suppress: Tuple[str, ...] = ()
+    symbols_to_strip_from_output: Optional[frozenset] = None
+    # beam decodings
+    prune_abs_threshold: Optional[float] = None
+    prune_max_cands: Optional[int] = None
+    finalize: str = "auto"
+    finish_count: Optional[int] = None
+    # streaming
+    stream_order: str = "min-length"
+    stream_admit: str = "shortest-first"
+    refill_eps: float = 1 / 6
+    stream_candidates: Optional[int] = None
+    stream_window: int = 32
+    max_wait_steps: int = 0
+    profile: bool = False  # CUDA: synchronize around model calls for an exact time split
+    # scorers
+    lmbr_posteriors: Optional[str] = None
+    lmbr_lambda: Optional[float] = None
+    lmbr_theta0: Optional[float] = None
+    lmbr_p: float = 0.85
+    lmbr_r: float = 0.72
+    token_masks: Optional[str] = None
+    # aggressive decoding
+    block_size: int = 0
+    iad_ngram: int = 2
+    draft_min_reach: Optional[float] = None
+    drafter: Optional[str] = None
+    draft_lookup: Optional[str] = None
+    draft_lookup_order: int = 2
+    gad_beta: int = 1
+    gad_tau: float = math.inf
+    draft_switch: bool = True  # gad, top-1: passes go without drafts while those cost less per token
+
+    def __post_init__(self) -> None:
+        if self.decoding not in DECODINGS:
+            raise UsageError(f"--decoding must be one of {', '.join(DECODINGS)}, got {self.decoding}")
+        for name, ok, allowed in _RANGES:
+            value = getattr(self, name)
+            if not ok(value):
+                raise UsageError(f"{flag(name)} must be {allowed}, got {value}")
+        self._check_applies()
+        if self.kind.family == "draft" and self.nbest > 1:
+            raise UsageError(f"--decoding {self.decoding} is greedy: it returns one hypothesis (--nbest 1)")
+        if self.kind.family == "beam":
+            if self.finish_count is not None and self.rule != "sticky":
+                raise UsageError(FINISH_COUNT_NEEDS_STICKY)
+            try:
+                finished_per_source(self.rule, self.beam, self.finish_count, self.nbest)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        if self.drafter and self.draft_lookup:
+            raise UsageError("--decoding gad takes --drafter or --draft-lookup, not both")
+
+    def _check_applies(self) -> None:
+        given = [n for n in APPLIES if getattr(self, n) != _DEFAULTS[n] and not APPLIES[n][1](self.kind)]
+        if given:
+            where = APPLIES[given[0]][0]
+            flags = [flag(n) for n in given if APPLIES[n][0] == where]
+            verb = "applies" if len(flags) == 1 else "apply"
+            raise UsageError(f"{' and '.join(flags)} {verb} to {where}, not --decoding {self.decoding}")
+
+    @property
+    def kind(self) -> Decoding:
+        return DECODINGS[self.decoding]
+
+    @property
+    def beam(self) -> int:
+        """Hypotheses per source: 1 for greedy and the aggressive decodings, else `beam_size`."""
+        return self.beam_size if self.decoding != "greedy" and self.kind.family == "beam" else 1
+
+    @property
+    def rule(self) -> str:
+        """The finalization rule: `finalize`, with auto = the decoding's own."""
+        return self.kind.rule if self.finalize == "auto" else self.finalize
+
+    @property
+    def pruning(self) -> Pruning:
+        if not self.kind.variable:
+            return Pruning(self.beam)
+        delta, m = self.prune_abs_threshold, self.prune_max_cands
+        return Pruning(self.beam, PAPER_DELTA if delta is None else delta, PAPER_M if m is None else m)
+
+    @property
+    def policy(self) -> str:
+        """The scheduling policy (runtime.scheduler): batch, or a streaming order."""
+        if self.kind.family == "draft":
+            return "min-length"
+        return self.stream_order if self.kind.streaming else "batch"
+
+    @property
+    def min_reach(self) -> float:
+        return AUTO_MIN_REACH.get(self.decoding, 0.0) if self.draft_min_reach is None else self.draft_min_reach
+
+    @property
+    def switches_drafting(self) -> bool:
+        """GAD with top-1 verification may skip drafting (GAD++'s output depends on the drafts)."""
+        return self.decoding == "gad" and self.gad_beta == 1 and self.draft_switch
+
+    def replace(self, **changes: Any) -> DecodeSpec:
+        return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodeSpec)}
+_RANGES = [
+    ("beam_size", lambda v: v >= 1, ">= 1"),
+    ("nbest", lambda v: v >= 1, ">= 1"),
+    ("min_len", lambda v: v >= 0, ">= 0"),
+    ("max_len_b", lambda v: v >= 0, ">= 0"),
+    ("temperature", lambda v: v > 0, "> 0"),
+    ("no_repeat_ngram_size", lambda v: v >= 0, ">= 0"),
+    ("print_alignment", lambda v: v in (None, "hard", "soft"), "hard or soft"),
+    ("prune_abs_threshold", lambda v: v is None or v > 0, "> 0"),
+    ("prune_max_cands", lambda v: v is None or v >= 0, ">= 0 (0 = unlimited)"),
+    ("finalize", lambda v: v in FINALIZE_RULES, "one of " + ", ".join(FINALIZE_RULES)),
+    ("finish_count", lambda v: v is None or v >= 1, ">= 1"),
+    ("stream_order", lambda v: v in ORDERS, "one of " + ", ".join(ORDERS)),
+    ("stream_admit", lambda v: v in ADMIT_ORDERS, "one of " + ", ".join(ADMIT_ORDERS)),
+    ("refill_eps", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("stream_candidates", lambda v: v is None or v >= 1, ">= 1"),
+    ("stream_window", lambda v: v >= 1, ">= 1"),
+    ("max_wait_steps", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("lmbr_lambda", lambda v: v is None or v > 0, "> 0"),
+    ("lmbr_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("lmbr_r", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("iad_ngram", lambda v: v >= 1, ">= 1"),
+    ("block_size", lambda v: v >= 0, ">= 0 (0 = auto)"),
+    ("draft_min_reach", lambda v: v is None or 0 <= v <= 1, "in [0, 1]"),
+    ("draft_lookup_order", lambda v: v >= 1, ">= 1"),
+    ("gad_beta", lambda v: v >= 1, ">= 1"),
+    ("gad_tau", lambda v: v >= 0, ">= 0"),
+]
+
+# fairseq generation options (GenerationConfig names) -> DecodeSpec fields; `unnormalized` is negated
+GENERATION = {"beam": "beam_size", "nbest": "nbest", "max_len_a": "max_len_a", "max_len_b": "max_len_b",
+              "min_len": "min_len", "lenpen": "len_penalty", "unkpen": "unk_penalty", "temperature": "temperature",
+              "no_repeat_ngram_size": "no_repeat_ngram_size", "match_source_len": "match_source_len",
+              "print_alignment": "print_alignment", "lm_weight": "lm_weight"}
+# fairseq generation options no plugin decoding implements (--decoding fairseq has them): name,
+# test of the value, flag. --score-reference scores the reference instead of decoding, and
+# --sampling-topk/-topp mean sampling.
+REFUSED = [
+    ("score_reference", bool, "--score-reference"),
+    ("sampling", bool, "--sampling"),
+    ("sampling_topk", lambda v: v is not None and v >= 0, "--sampling-topk"),
+    ("sampling_topp", lambda v: v is not None and v >= 0, "--sampling-topp"),
+    ("diverse_beam_groups", lambda v: v is not None and v > 0, "--diverse-beam-groups"),
+    ("diversity_rate", lambda v: v is not None and v > -1, "--diversity-rate"),
+    ("constraints", bool, "--constraints"),
+]
+
+
+def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn: Any = None) -> DecodeSpec:
+    """The spec of a task config (or argparse namespace) `cfg` with fairseq's generation options
+    `gen` (a GenerationConfig or namespace; None before they are known: then the widest beam the
+    plugin's options allow, so that only the generation options' own checks wait for them).
+    `extra` (fairseq's extra_gen_cls_kwargs: lm_model, lm_weight) and `prefix_fn` are what a caller
+    hands fairseq's build_generator besides."""
+    extra = extra or {}
+    lm_model = extra.get("lm_model")
+    plugin = {n: _value(getattr(cfg, n, _DEFAULTS[n])) for n in PLUGIN_OPTIONS}
+    decoding = plugin["decoding"]
+    if gen is None:
+        spec = DecodeSpec(**plugin, beam_size=max(5, plugin["finish_count"] or 1))
+    else:
+        fields = {f: _value(getattr(gen, g)) for g, f in GENERATION.items() if getattr(gen, g, None) is not None}
+        fields["normalize_scores"] = not getattr(gen, "unnormalized", False)
+        if "lm_weight" in extra:
+            fields["lm_weight"] = extra["lm_weight"]
+        if decoding == "fairseq":  # fairseq's generator checks its own options
+            return DecodeSpec(**plugin)
+        refused = [f for name, is_set, f in REFUSED if is_set(getattr(gen, name, None))]
+        refused += ["prefix_allowed_tokens_fn"] if prefix_fn is not None else []
+        if DECODINGS.get(decoding, DECODINGS["beam"]).family == "draft" and (
+                getattr(gen, "lm_path", None) or lm_model is not None):
+            refused.append("--lm-path")
+        if refused:
+            raise UsageError(f"--decoding {decoding} does not support {', '.join(refused)}; "
+                             "use --decoding fairseq for those")
+        spec = DecodeSpec(**plugin, **fields)
+    if decoding == "gad" and not (spec.drafter or spec.draft_lookup):
+        raise UsageError("--decoding gad needs --drafter PATH (a block_drafter checkpoint, see "
+                         "scripts/train_drafter.sh) or --draft-lookup TEXT (target-side text for an n-gram table)")
+    return spec
+
+
+def check_files(spec: DecodeSpec) -> None:
+    """The files a spec names exist, and a drafter is a checkpoint. Front ends call this before a
+    model loads (not at parse time: a script may write a file after parsing its command)."""
+    for name in FILES:
+        path = getattr(spec, name)
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag(name)} {path}: no such file")
+    if spec.drafter and not is_checkpoint_file(spec.drafter):
+        raise UsageError(f"--drafter {spec.drafter} is not a checkpoint (a file written by torch.save, e.g. "
+                         "checkpoint_best.pt of scripts/train_drafter.sh)")
+
+
+def is_checkpoint_file(path: str) -> bool:
+    """A file torch.save wrote: a zip archive (the default format) or a pickle (the legacy one)."""
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a spec field (fairseq's own name for a generation option)."""
+    return "--" + {f: g for g, f in GENERATION.items()}.get(name, name).replace("_", "-")
+
+
+def _value(v: Any) -> Any:
+    """fairseq's ChoiceEnum members as plain strings."""
+    return str(v) if isinstance(v, enum.Enum) else v
+
+
+# the plugin's options on the command line (the task's dataclass fields of the same names)
+PLUGIN_OPTIONS = ("decoding", "prune_abs_threshold", "prune_max_cands", "finalize", "finish_count", "stream_order",
+                  "stream_admit", "refill_eps", "stream_candidates", "stream_window", "max_wait_steps",
+                  "lmbr_posteriors", "lmbr_lambda", "lmbr_theta0", "lmbr_p", "lmbr_r", "token_masks", "block_size",
+                  "iad_ngram", "draft_min_reach", "drafter", "draft_lookup", "draft_lookup_order", "gad_beta",
+                  "gad_tau")
