@@ -29,6 +29,14 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["fairseq_streambeam", "fairseq_streambeam.*"]),
     install_requires=INSTALL_REQUIRES,
+    # fairseq's commands with the plugin's --user-dir and task filled in: they work from any directory
+    entry_points={
+        "console_scripts": [
+            "streambeam-generate = fairseq_streambeam.cli:generate",
+            "streambeam-interactive = fairseq_streambeam.cli:interactive",
+            "streambeam-decode-corpus = fairseq_streambeam.cli:decode_corpus",
+        ],
+    },
     extras_require={
         "bench": BENCH,
         "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", *BENCH, *WMT19],

@@ -2,12 +2,15 @@
 
 - Every command in the ```bash blocks of README.md and docs/*.md has an entry point that exists and
   accepts its options, spelled out: fairseq-generate / fairseq-interactive lines are parsed by
-  fairseq's own option parser with the plugin's --user-dir, `python -m fairseq_streambeam.X` lines
-  by that module's parser, scripts by their option lists (or the module they forward to); every
-  ../shared path exists. Inline `python -m` modules, scripts/ and configs/ paths and links exist.
+  fairseq's own option parser with the plugin's --user-dir (streambeam-generate / -interactive lines
+  with what they fill in), `python -m fairseq_streambeam.X` lines by that module's parser (and
+  streambeam-decode-corpus lines by decode_corpus's), scripts by their option lists (or the module
+  they forward to); every ../shared path exists. Inline `python -m` modules, scripts/ and configs/
+  paths and links exist.
 - README blocks not marked `<!-- slow -->` (on the line before the fence) run for real, in order,
   from a copy of the checkout with ../shared beside it: bash blocks in a shell, ```python blocks in
-  this process (skipped without ../shared). Set-up blocks (venv, pip, pytest) are only checked.
+  this process (skipped without ../shared); each decoding command prints hypotheses and logs its
+  counters. Set-up blocks (venv, pip, pytest) are only checked.
 - README.md stays a manual: at most 13 KiB, with the set-up and test commands CI relies on.
 - No tracked file labels text with how or when it was developed (development rounds, "this
   session", "this CPU" meaning the developers' machine), and README.md and docs/*.md do not link
@@ -56,6 +59,9 @@ SHARED_LINK = re.compile(r"\]\(\s*(\.\./)+shared\b|\]\(\s*/work/shared\b|\bshare
 
 SETUP_PROGRAMS = {"python3.11", ".", "source", "pip"}  # set-up lines: checked, never run here
 PLAIN_PROGRAMS = {"echo", "head", "cat", "mkdir", "cut", "wc"}
+# console scripts (setup.py): fairseq's commands with the plugin filled in, and the modules they run
+FAIRSEQ_COMMANDS = {"fairseq-generate", "fairseq-interactive", "streambeam-generate", "streambeam-interactive"}
+MODULE_COMMANDS = {"streambeam-decode-corpus": "fairseq_streambeam.decode_corpus"}
 
 
 # ---- reading the Markdown ------------------------------------------------------------------------
@@ -194,11 +200,16 @@ def check_module(module: str, args: List[str], monkeypatch) -> None:
 def check_fairseq(program: str, args: List[str]) -> None:
     from fairseq import options
 
-    assert "--user-dir" in args, f"{program} without --user-dir fairseq_streambeam"
-    i = args.index("--user-dir")
-    assert args[i + 1] == "fairseq_streambeam", "--user-dir is the plugin directory of the checkout"
-    args = args[:i + 1] + [str(REPO / "fairseq_streambeam")] + args[i + 2:]
-    interactive = program == "fairseq-interactive"
+    if program.startswith("streambeam-"):
+        from fairseq_streambeam.cli import with_plugin
+
+        args = with_plugin([program, *args])[1:]
+    else:
+        assert "--user-dir" in args, f"{program} without --user-dir fairseq_streambeam"
+        i = args.index("--user-dir")
+        assert args[i + 1] == "fairseq_streambeam", "--user-dir is the plugin directory of the checkout"
+        args = args[:i + 1] + [str(REPO / "fairseq_streambeam")] + args[i + 2:]
+    interactive = program.endswith("-interactive")
     parser = options.get_interactive_generation_parser() if interactive else options.get_generation_parser()
     try:
         options.parse_args_and_arch(parser, input_args=args)
@@ -235,9 +246,15 @@ def setup_extras() -> set:
     return set(re.findall(r'^\s*"(\w+)":', block.group(1), re.M))
 
 
+def console_scripts() -> set:
+    return set(re.findall(r'"([\w-]+) = fairseq_streambeam\.', (REPO / "setup.py").read_text()))
+
+
 def check_command(c: Command, monkeypatch) -> None:
     prog, args = c.argv[0], c.argv[1:]
     check_paths(c.argv)
+    if prog.startswith("streambeam-"):
+        assert prog in console_scripts(), f"{prog} is not a console script of setup.py"
     if prog in PLAIN_PROGRAMS:
         return
     if prog in (".", "source"):
@@ -254,8 +271,10 @@ def check_command(c: Command, monkeypatch) -> None:
             assert (REPO / args[-1]).is_dir()
         else:
             check_module(args[1], args[2:], monkeypatch)
-    elif prog in ("fairseq-generate", "fairseq-interactive"):
+    elif prog in FAIRSEQ_COMMANDS:
         check_fairseq(prog, args)
+    elif prog in MODULE_COMMANDS:
+        check_module(MODULE_COMMANDS[prog], args, monkeypatch)
     elif prog.startswith("scripts/"):
         check_script(prog, args, monkeypatch)
     elif prog == "sbatch":
@@ -312,11 +331,16 @@ def test_readme_quick_blocks_run(tmp_path, monkeypatch):
         if block.slow or (block.lang == "bash" and is_setup(block)):
             continue
         if block.lang == "bash":
+            missing = sorted({c.argv[0] for c in shell_commands(block.code)
+                              if c.argv[0].startswith("streambeam-") and not (BIN / c.argv[0]).exists()})
+            assert not missing, f"{missing} not in {BIN}: pip install -e '.[test]' installs the console scripts"
             r = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=clone, env=env,
                                capture_output=True, text=True, timeout=300)
             assert r.returncode == 0, f"README.md:{block.line}:\n{r.stderr[-3000:]}"
-            decoders = sum(c.argv[0].startswith("fairseq-") for c in shell_commands(block.code))
+            decoders = sum(c.argv[0] in FAIRSEQ_COMMANDS for c in shell_commands(block.code))
             assert len(re.findall(r"^H-\d+\t", r.stdout, re.M)) >= decoders, r.stdout[-2000:]
+            counters = re.findall(r"streambeam [\w-]+: \d+ sentences", r.stderr)  # logged at exit
+            assert len(counters) >= decoders, r.stderr[-2000:]
         elif block.lang == "python":
             monkeypatch.chdir(clone)
             exec(compile(block.code, f"README.md:{block.line}", "exec"), {"__name__": "readme"})

@@ -1,0 +1,83 @@
+"""Console commands: `streambeam-generate` and `streambeam-interactive` are fairseq-generate and
+fairseq-interactive with this plugin's `--user-dir` and `--task streambeam_translation` filled in;
+`streambeam-decode-corpus` is `python -m fairseq_streambeam.decode_corpus`.
+
+A relative `--user-dir fairseq_streambeam` resolves against the working directory, so it works only
+from the checkout root; these commands pass the installed package's absolute path instead, and so
+work from any directory. An option the user gives is kept as given. Their `--help` also lists the
+task's options (fairseq's prints its help before it adds them, so `--decoding` would be missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+# the directory fairseq's import_user_module finds in this package's __path__ (so it imports nothing twice)
+PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
+TASK = "streambeam_translation"
+
+
+def _given(argv: List[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def with_plugin(argv: List[str]) -> List[str]:
+    """`argv` (program name first) with `--user-dir PLUGIN_DIR` and `--task streambeam_translation`
+    added after the program name, each unless the user gave that option."""
+    extra: List[str] = []
+    if not _given(argv[1:], "--user-dir"):
+        extra += ["--user-dir", PLUGIN_DIR]
+    if not _given(argv[1:], "--task"):
+        extra += ["--task", TASK]
+    return argv[:1] + extra + argv[1:]
+
+
+def _show_help_with_task_options(interactive: bool) -> None:
+    """Print the help of fairseq-generate (or -interactive) including the options of the task given
+    on the command line, and exit. fairseq adds a task's options only after its first parse, where
+    argparse has already printed the help."""
+    from fairseq import options
+    from fairseq.tasks import TASK_REGISTRY
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--task")
+    task = pre.parse_known_args(sys.argv[1:])[0].task
+
+    def add_task_options(parser: argparse.ArgumentParser) -> None:
+        if task in TASK_REGISTRY:  # the user dir is imported by now
+            TASK_REGISTRY[task].add_args(parser)
+
+    parser = options.get_interactive_generation_parser() if interactive else options.get_generation_parser()
+    options.parse_args_and_arch(parser, modify_parser=add_task_options)
+
+
+def _fairseq_command(interactive: bool) -> None:
+    sys.argv = with_plugin(sys.argv)
+    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+        _show_help_with_task_options(interactive)
+    if interactive:
+        from fairseq_cli.interactive import cli_main
+    else:
+        from fairseq_cli.generate import cli_main
+    cli_main()
+
+
+def generate() -> None:
+    """`streambeam-generate`: fairseq-generate with the plugin."""
+    _fairseq_command(interactive=False)
+
+
+def interactive() -> None:
+    """`streambeam-interactive`: fairseq-interactive with the plugin."""
+    _fairseq_command(interactive=True)
+
+
+def decode_corpus(argv: Optional[List[str]] = None) -> int:
+    """`streambeam-decode-corpus`: sharded, resumable decoding (imported when run, so the other
+    two commands do not load it)."""
+    from fairseq_streambeam.decode_corpus import main
+
+    return main(argv)

@@ -1,0 +1,88 @@
+"""The console commands work from any directory: streambeam-generate and streambeam-interactive are
+fairseq's commands with the plugin's --user-dir and task filled in (options the user gives are kept),
+streambeam-decode-corpus is decode_corpus. Each runs on deen-tiny from a temporary directory outside
+the checkout, where a relative `--user-dir fairseq_streambeam` would not resolve."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import List
+
+import pytest
+from helpers import BIN, REPO, run_cli, shared_path
+
+from fairseq_streambeam.cli import PLUGIN_DIR, TASK, with_plugin
+
+SOURCES = ["Zwei Kinder spielen im Wasser.", "Ein Hund läuft durch den Schnee.", "Eine Frau liest ein Buch."]
+
+
+def test_with_plugin_fills_in_only_what_is_missing():
+    assert with_plugin(["prog", "data", "--beam", "5"]) == [
+        "prog", "--user-dir", PLUGIN_DIR, "--task", TASK, "data", "--beam", "5"]
+    assert with_plugin(["prog", "--task", "translation", "data"]) == [
+        "prog", "--user-dir", PLUGIN_DIR, "--task", "translation", "data"]
+    assert with_plugin(["prog", "--user-dir=/x", "--task=t"]) == ["prog", "--user-dir=/x", "--task=t"]
+    assert Path(PLUGIN_DIR).is_absolute() and (Path(PLUGIN_DIR) / "task.py").is_file()
+
+
+def command(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: setup.py's console_scripts are installed by pip install -e '.[test]'")
+    return str(path)
+
+
+def deen_tiny() -> List[str]:
+    m = shared_path("models", "deen-tiny")
+    return [str(m), "--path", str(m / "checkpoint_best.pt"), "-s", "de", "-t", "en", "--bpe", "sentencepiece",
+            "--sentencepiece-model", str(m / "spm8k.model")]
+
+
+def test_cwd_is_outside_the_checkout(tmp_path):
+    assert not tmp_path.resolve().is_relative_to(REPO)
+    assert not (tmp_path / "fairseq_streambeam").exists()
+
+
+def test_streambeam_interactive(tmp_path):
+    r = run_cli([command("streambeam-interactive"), *deen_tiny(), "--beam", "5", "--decoding", "var-stream"],
+                input="\n".join(SOURCES) + "\n", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(int(i) for i in re.findall(r"^H-(\d+)\t", r.stdout, re.M)) == [0, 1, 2], r.stdout
+    assert "streambeam var-stream: 3 sentences" in r.stderr  # the counters logged at exit reach the terminal
+
+
+def test_streambeam_generate(tmp_path):
+    """A raw-text split beside deen-tiny's dictionaries, addressed by relative paths."""
+    import sentencepiece as spm
+
+    m = shared_path("models", "deen-tiny")
+    data = tmp_path / "data"
+    data.mkdir()
+    pieces = spm.SentencePieceProcessor(model_file=str(m / "spm8k.model")).encode(SOURCES, out_type=str)
+    for lang in ("de", "en"):  # the target side is only read, not decoded
+        (data / f"dict.{lang}.txt").symlink_to(m / f"dict.{lang}.txt")
+        (data / f"test.de-en.{lang}").write_text("".join(" ".join(p) + "\n" for p in pieces), encoding="utf-8")
+    r = run_cli([command("streambeam-generate"), "data", "--dataset-impl", "raw", "--path",
+                 str(m / "checkpoint_best.pt"), "-s", "de", "-t", "en", "--beam", "5", "--decoding", "var-stream",
+                 "--post-process", "sentencepiece"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hyps = dict(re.findall(r"^H-(\d+)\t\S+\t(.*)$", r.stdout, re.M))
+    assert sorted(hyps) == ["0", "1", "2"], r.stdout
+    assert hyps["0"] == "Two children are playing in the water.", hyps
+    assert "streambeam var-stream: 3 sentences" in r.stderr
+
+
+def test_streambeam_generate_help_lists_the_plugin_options(tmp_path):
+    r = run_cli([command("streambeam-generate"), "--help"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--decoding" in r.stdout and "--draft-lookup" in r.stdout
+
+
+def test_streambeam_decode_corpus(tmp_path):
+    (tmp_path / "in.de").write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    r = run_cli([command("streambeam-decode-corpus"), "--input", "in.de", "--output-dir", "out",
+                 "--data", *deen_tiny(), "--decoding", "greedy", "--quiet"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = (tmp_path / "out" / "output.txt").read_text(encoding="utf-8").splitlines()
+    assert len(out) == 3 and out[0] == "Two children are playing in the water.", out
