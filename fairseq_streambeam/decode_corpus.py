@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .options import plugin_fields
-from .spec import DECODINGS, UsageError, check_files, flag, from_cli
+from .spec import DECODINGS, UsageError, check_files, flag, from_cli, is_checkpoint_file
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
@@ -63,8 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
     p.add_argument("-t", "--target-lang", required=True)
-    p.add_argument("--tokenizer", default="none")
-    p.add_argument("--bpe", default="none")
+    p.add_argument("--tokenizer", default="none", choices=["none", *_registered("tokenizer")])
+    p.add_argument("--bpe", default="none", choices=["none", *_registered("bpe")])
     p.add_argument("--bpe-codes")
     p.add_argument("--sentencepiece-model")
     p.add_argument("--shard-lines", type=int, default=100_000)
@@ -85,6 +85,14 @@ def parse_args(argv=None):
     return args
 
 
+def _registered(kind: str) -> List[str]:
+    """fairseq's registered tokenizers or BPEs."""
+    import fairseq.data.encoders  # noqa: F401  (registers them)
+    from fairseq import registry
+
+    return sorted(registry.REGISTRIES[kind]["registry"])
+
+
 def check_args(args) -> None:
     """Every check that needs no model: the decoding spec (spec.from_cli), the files it names,
     this command's own ranges, and that the inputs, dictionaries and checkpoints exist."""
@@ -96,11 +104,18 @@ def check_args(args) -> None:
     for path in args.input:
         if not os.path.isfile(path):
             raise UsageError(f"--input {path}: no such file")
-    if not os.path.isdir(args.data):
-        raise UsageError(f"--data {args.data}: no such directory")
+    for lang in (args.source_lang, args.target_lang):
+        if not os.path.isfile(os.path.join(args.data, f"dict.{lang}.txt")):
+            raise UsageError(f"--data {args.data}: no dict.{lang}.txt there")
     for path in args.path.split(":"):
-        if not os.path.isfile(path):
-            raise UsageError(f"--path {path}: no such file")
+        if not os.path.isfile(path) or not is_checkpoint_file(path):
+            raise UsageError(f"--path {path}: no such checkpoint")
+    if args.bpe == "sentencepiece" and not args.sentencepiece_model:
+        raise UsageError("--bpe sentencepiece needs --sentencepiece-model")
+    for name in ("sentencepiece_model", "bpe_codes"):
+        path = getattr(args, name)
+        if path and not os.path.isfile(path):
+            raise UsageError(f"--{name.replace('_', '-')} {path}: no such file")
 
 
 def add_generation_options(p) -> None:
@@ -112,9 +127,9 @@ def add_generation_options(p) -> None:
         f = fields[name]
         help_text = str(f.metadata.get("help", "")).replace("%", "%%")
         if f.type is bool:
-            p.add_argument(flag(name), action="store_true", help=help_text)
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=help_text)
         else:
-            p.add_argument(flag(name), type=f.type, default=f.default, help=help_text)
+            p.add_argument("--" + name.replace("_", "-"), type=f.type, default=f.default, help=help_text)
 
 
 def add_task_options(p) -> None:
@@ -245,9 +260,9 @@ class ShardDecoder:
         torch.set_num_threads(args.threads)
         self.task = load_task(args.data, args.source_lang, args.target_lang,
                               **{f.name: getattr(args, f.name) for f in plugin_fields()})
+        self.codec = TextCodec(self.task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
         self.cuda = torch.cuda.is_available() and not args.cpu
         self.models = load_models(self.task, args.path, self.cuda, args.fp16 and self.cuda)
-        self.codec = TextCodec(self.task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
         self.args = args
         self.max_src = min(m.max_positions()[0] for m in self.models)
         self.gen = None  # built once, at the first shard (batching sets the live budget first)

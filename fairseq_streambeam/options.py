@@ -13,11 +13,10 @@ from typing import List, Optional
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
-from .spec import ADMIT_ORDERS, DECODINGS, FINALIZE_RULES, ORDERS, UsageError, from_cli
+from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, from_cli
 
 DECODING_CHOICES = ChoiceEnum(list(DECODINGS))
-FINALIZE_CHOICES = ChoiceEnum(list(FINALIZE_RULES))
-ORDER_CHOICES = ChoiceEnum(list(ORDERS))
+ORDER_CHOICES = ChoiceEnum([o for o in ORDERS if o != "fifo"])  # fifo (paper A.2): a bench variant
 ADMIT_CHOICES = ChoiceEnum(list(ADMIT_ORDERS))
 
 
@@ -38,20 +37,16 @@ class StreamBeamConfig(TranslationConfig):
                                         "(var-* only; default 1.5)"})
     prune_max_cands: Optional[int] = field(
         default=None, metadata={"help": "M: at most M children per parent (var-* only; default 5)"})
-    finalize: FINALIZE_CHOICES = field(
-        default="auto", metadata={"help": "fairseq: EOS candidates finish at once, k per source; sticky: "
-                                          "the paper's rule, final only when top candidate; auto: sticky "
-                                          "for var-*, fairseq otherwise"})
     finish_count: Optional[int] = field(
         default=None, metadata={"help": "z: finished hypotheses that end a source under the sticky rule (default: "
                                         "the beam size k, as in Yang et al.'s runs); --nbest may not exceed it. "
-                                        "Refused with the fairseq rule (beam, greedy, fixed-stream by default), "
-                                        "which always finishes k"})
+                                        "var-batch and var-stream only: beam, greedy and fixed-stream finish k "
+                                        "as fairseq does"})
     refill_eps: float = field(
         default=1 / 6, metadata={"help": "eps: refill when fewer than eps*n sources are live (streaming)"})
     stream_order: ORDER_CHOICES = field(
         default="min-length", metadata={"help": "which cohort steps next when streaming: min-length "
-                                                "(the paper), fifo (paper A.2), or continuous: every live "
+                                                "(the paper), or continuous: every live "
                                                 "source steps in one decoder call whatever its prefix length "
                                                 "(fairseq transformer decoders; others use min-length)"})
     stream_admit: ADMIT_CHOICES = field(
@@ -120,8 +115,9 @@ def plugin_fields() -> List[dataclasses.Field]:
 
 
 def install_usage_error_hook() -> None:
-    """Print an uncaught UsageError as `prog: error: message` (as argparse does) instead of a
-    traceback; any other exception goes to the previous hook. Installed once per process."""
+    """Print an uncaught UsageError as `prog: error: message` and exit with status 2 (as argparse
+    does) instead of a traceback; any other exception goes to the previous hook. Installed once
+    per process."""
     previous = sys.excepthook
     if getattr(previous, "streambeam_usage_hook", False):
         return
@@ -130,6 +126,9 @@ def install_usage_error_hook() -> None:
         if isinstance(value, UsageError):
             prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
             print(f"{prog}: error: {value}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)  # argparse's status for a usage error (an excepthook cannot raise SystemExit)
         else:
             previous(kind, value, tb)
 

@@ -32,7 +32,7 @@ class UsageError(ValueError):
 class Decoding:
     """What `--decoding NAME` is: `family` beam (StreamBeamGenerator), draft (AggressiveGenerator)
     or fairseq (fairseq's own SequenceGenerator); variable-width beams; streaming refill (sources
-    enter while others decode); the finalization rule `--finalize auto` means."""
+    enter while others decode); its finalization rule (the spec's `finalize="auto"`)."""
 
     name: str
     family: str
@@ -70,7 +70,8 @@ _GAD = ("--decoding gad", lambda d: d.name == "gad")
 APPLIES: Dict[str, Tuple[str, Callable[[Decoding], bool]]] = {
     "prune_abs_threshold": _VAR, "prune_max_cands": _VAR,
     "finalize": _BEAM, "no_repeat_ngram_size": _BEAM, "match_source_len": _BEAM, "print_alignment": _BEAM,
-    "lmbr_posteriors": _BEAM, "token_masks": _BEAM,
+    "finish_count": _BEAM, "lmbr_posteriors": _BEAM, "token_masks": _BEAM, "lmbr_lambda": _BEAM,
+    "lmbr_theta0": _BEAM, "lmbr_p": _BEAM, "lmbr_r": _BEAM,
     "stream_order": _STREAM_BEAM, "stream_admit": _STREAM_BEAM, "max_wait_steps": _STREAM_BEAM,
     "refill_eps": _STREAMING, "stream_candidates": _STREAMING, "stream_window": _STREAMING,
     "block_size": _DRAFT, "draft_min_reach": _DRAFT, "iad_ngram": ("--decoding iad", lambda d: d.name == "iad"),
@@ -153,6 +154,19 @@ class DecodeSpec:
                 raise UsageError(str(e)) from None
         if self.drafter and self.draft_lookup:
             raise UsageError("--decoding gad takes --drafter or --draft-lookup, not both")
+        self._check_needs()
+
+    def _check_needs(self) -> None:
+        """Options that only mean something beside another one."""
+        lmbr = [n for n in ("lmbr_lambda", "lmbr_theta0", "lmbr_p", "lmbr_r") if getattr(self, n) != _DEFAULTS[n]]
+        if lmbr and not self.lmbr_posteriors:
+            raise UsageError(f"{' and '.join(flag(n) for n in lmbr)} need --lmbr-posteriors")
+        if self.draft_lookup_order != _DEFAULTS["draft_lookup_order"] and not self.draft_lookup:
+            raise UsageError("--draft-lookup-order needs --draft-lookup")
+        if self.gad_tau != _DEFAULTS["gad_tau"] and self.gad_beta == 1:
+            raise UsageError("--gad-tau applies to GAD++ (--gad-beta above 1)")
+        if self.max_len_a == 0 and not self.match_source_len and self.min_len > self.max_len_b:
+            raise UsageError(f"--min-len {self.min_len} exceeds the maximum length {self.max_len_b} (--max-len-b)")
 
     def _check_applies(self) -> None:
         given = [n for n in APPLIES if getattr(self, n) != _DEFAULTS[n] and not APPLIES[n][1](self.kind)]
@@ -237,7 +251,7 @@ _RANGES = [
 GENERATION = {"beam": "beam_size", "nbest": "nbest", "max_len_a": "max_len_a", "max_len_b": "max_len_b",
               "min_len": "min_len", "lenpen": "len_penalty", "unkpen": "unk_penalty", "temperature": "temperature",
               "no_repeat_ngram_size": "no_repeat_ngram_size", "match_source_len": "match_source_len",
-              "print_alignment": "print_alignment", "lm_weight": "lm_weight"}
+              "print_alignment": "print_alignment"}
 # fairseq generation options no plugin decoding implements (--decoding fairseq has them): name,
 # test of the value, flag. --score-reference scores the reference instead of decoding, and
 # --sampling-topk/-topp mean sampling.
@@ -262,7 +276,7 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
     lm_model = extra.get("lm_model")
     plugin = {n: _value(getattr(cfg, n, _DEFAULTS[n])) for n in PLUGIN_OPTIONS}
     decoding = plugin["decoding"]
-    if gen is None:
+    if gen is None or not hasattr(gen, "beam"):  # e.g. fairseq-train with the task: no generation options
         spec = DecodeSpec(**plugin, beam_size=max(5, plugin["finish_count"] or 1))
     else:
         fields = {f: _value(getattr(gen, g)) for g, f in GENERATION.items() if getattr(gen, g, None) is not None}
@@ -307,8 +321,13 @@ def is_checkpoint_file(path: str) -> bool:
 
 
 def flag(name: str) -> str:
-    """The command-line flag of a spec field (fairseq's own name for a generation option)."""
-    return "--" + {f: g for g, f in GENERATION.items()}.get(name, name).replace("_", "-")
+    """The command-line flag of a spec field or fairseq generation option (fairseq's own name for
+    those); a field that is no command-line option (a bench or Python setting) by its own name."""
+    name = {f: g for g, f in GENERATION.items()}.get(name, name)  # fairseq's names for its options
+    name = "unnormalized" if name == "normalize_scores" else name
+    if name not in GENERATION and name not in PLUGIN_OPTIONS and name != "unnormalized":
+        return name
+    return "--" + name.replace("_", "-")
 
 
 def _value(v: Any) -> Any:
@@ -317,7 +336,7 @@ def _value(v: Any) -> Any:
 
 
 # the plugin's options on the command line (the task's dataclass fields of the same names)
-PLUGIN_OPTIONS = ("decoding", "prune_abs_threshold", "prune_max_cands", "finalize", "finish_count", "stream_order",
+PLUGIN_OPTIONS = ("decoding", "prune_abs_threshold", "prune_max_cands", "finish_count", "stream_order",
                   "stream_admit", "refill_eps", "stream_candidates", "stream_window", "max_wait_steps",
                   "lmbr_posteriors", "lmbr_lambda", "lmbr_theta0", "lmbr_p", "lmbr_r", "token_masks", "block_size",
                   "iad_ngram", "draft_min_reach", "drafter", "draft_lookup", "draft_lookup_order", "gad_beta",

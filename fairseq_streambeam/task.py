@@ -1,9 +1,10 @@
-"""fairseq adapter: the `streambeam_translation` task (the only layer that knows fairseq's CLI).
+"""fairseq adapter: the `streambeam_translation` task.
 
-A TranslationTask that (1) builds a StreamBeamGenerator from `--decoding`, (2) never drops input
-sentences, and (3) in streaming modes hands the generator windows of `--stream-window` fairseq
-batches, so refill spans what would have been batch boundaries while `--batch-size` /
-`--max-tokens` keep meaning "how many sources decode together" (the paper's n).
+A TranslationTask that (1) builds the generator of its decoding spec (spec.py), with the drafter
+and scorers the spec names, (2) never drops input sentences, and (3) in streaming decodings hands
+the generator windows of `--stream-window` fairseq batches, so refill spans what would have been
+batch boundaries while `--batch-size` / `--max-tokens` keep meaning "how many sources decode
+together" (the paper's n).
 """
 
 from __future__ import annotations

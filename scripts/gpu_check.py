@@ -33,7 +33,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-# Python packages of the GPU machines' image ('cuda'), as listed for them on 2026-11-17.
+# Python packages of the offline GPU image these scripts target ('cuda').
 IMAGE_PACKAGES = frozenset("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder

@@ -52,7 +52,7 @@ def test_dictionary_mismatch_is_a_clear_error():
     (dict(decoding="var-batch", prune_abs_threshold=0.0), "prune-abs-threshold"),
     (dict(decoding="var-batch", prune_max_cands=-1), "prune-max-cands"),
     (dict(decoding="var-stream", refill_eps=2.0), "refill-eps"),
-    (dict(decoding="var-stream", finalize="never"), "--finalize must be one of"),
+    (dict(decoding="var-stream", finalize="never"), "finalize must be one of"),
     (dict(decoding="var-stream", stream_order="random"), "stream-order"),
     (dict(decoding="var-stream", stream_admit="random"), "stream-admit"),
     (dict(min_len=50, max_len_b=10), "min-len"),

@@ -30,7 +30,7 @@ def hypos(out: str):
     ("greedy", ["--max-tokens", "50"]),
     ("var-batch", ["--batch-size", "5"]),
     ("var-stream", ["--batch-size", "6", "--stream-window", "3"]),
-    ("var-stream", ["--max-tokens", "40", "--refill-eps", "0.5", "--stream-order", "fifo"]),
+    ("var-stream", ["--max-tokens", "40", "--refill-eps", "0.5", "--stream-order", "min-length"]),
     ("fixed-stream", ["--batch-size", "4", "--stream-window", "100", "--max-wait-steps", "3"]),
     ("var-stream", ["--batch-size", "5", "--stream-order", "continuous", "--stream-admit", "longest-first"]),
 ])

@@ -180,8 +180,8 @@ def test_decode_corpus_exposes_every_task_option(tiny_run, tmp_path, monkeypatch
 
     fields = plugin_fields()
     assert {"finish_count", "prune_abs_threshold", "prune_max_cands", "refill_eps", "stream_order",
-            "lmbr_posteriors", "token_masks", "decoding", "finalize"} <= {f.name for f in fields}
-    chosen = {"decoding": "var-batch", "finalize": "sticky", "stream_order": "fifo", "finish_count": 3,
+            "lmbr_posteriors", "token_masks", "decoding"} <= {f.name for f in fields}
+    chosen = {"decoding": "var-batch", "stream_order": "continuous", "finish_count": 3,
               "stream_admit": "longest-first"}
     argv = _tiny_args(tiny_run, tmp_path)
     for f in fields:
@@ -220,3 +220,49 @@ def test_decode_corpus_options_reach_the_generator(tiny_run, tmp_path):
     default = ShardDecoder(parse_args(_tiny_args(tiny_run, tmp_path / "c", "--decoding", "var-batch")))
     default.decode(lines[:3], Bar())
     assert default.gen.finalizer.target == 4 and default.gen.pruning.delta == 1.5
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--decoding", "gad"], "--decoding gad needs --drafter PATH"),
+    (["--decoding", "var-stream", "--prune-abs-threshold", "-1"], "--prune-abs-threshold must be > 0, got -1.0"),
+    (["--decoding", "gad", "--drafter", "missing.pt"], "--drafter missing.pt: no such file"),
+    (["--beam", "0"], "--beam must be >= 1, got 0"),
+    (["--decoding", "beam", "--stream-order", "continuous"], "--stream-order applies to var-stream"),
+    (["--min-len", "9", "--max-len-b", "3"], "--min-len 9 exceeds the maximum length 3"),
+    (["--decoding", "iad", "--nbest", "2"], "--decoding iad is greedy"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--input", "missing.txt"], "--input missing.txt: no such file"),
+    (["--bpe", "sentencepiece"], "--bpe sentencepiece needs --sentencepiece-model"),
+])
+def test_usage_mistakes_are_one_line_before_anything_is_written(tiny_run, tmp_path, capsys, extra, message):
+    """A usage mistake: one line `prog: error: ...`, exit status 2, no traceback, and no output
+    folder (the checks run before a model loads or a file is written)."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        decode_main([*_tiny_args(tiny_run, out), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert len(err) == 1 and err[0].startswith("streambeam-decode-corpus: error: ") and message in err[0], err
+    assert not out.exists()
+
+
+def test_generation_options_reach_the_spec(tiny_run, tmp_path):
+    """fairseq's generation options that decode_corpus takes end up in the generator's spec."""
+    from fairseq_streambeam.decode_corpus import parse_args
+    from fairseq_streambeam.spec import from_cli
+
+    args = parse_args(_tiny_args(tiny_run, tmp_path, "--decoding", "var-stream", "--nbest", "2", "--min-len", "2",
+                                 "--unkpen", "0.5", "--temperature", "0.9", "--unnormalized", "--lenpen", "0.7",
+                                 "--no-repeat-ngram-size", "3"))
+    spec = from_cli(args, args)
+    assert (spec.nbest, spec.min_len, spec.unk_penalty, spec.temperature, spec.normalize_scores, spec.len_penalty,
+            spec.no_repeat_ngram_size, spec.beam_size) == (2, 2, 0.5, 0.9, False, 0.7, 3, 4)
+
+
+def test_nbest_puts_the_n_best_of_a_line_on_that_line(tiny_run, tmp_path):
+    assert decode_main(_tiny_args(tiny_run, tmp_path / "top1", "--decoding", "beam")) == 0
+    assert decode_main(_tiny_args(tiny_run, tmp_path / "two", "--decoding", "beam", "--nbest", "2")) == 0
+    top1 = (tmp_path / "top1" / "output.txt").read_text(encoding="utf-8").splitlines()
+    two = (tmp_path / "two" / "output.txt").read_text(encoding="utf-8").splitlines()
+    assert len(two) == len(top1) and all(line.count("\t") == 1 for line in two)
+    assert [line.split("\t")[0] for line in two] == top1

@@ -251,16 +251,16 @@ def test_gad_cli_errors(tiny_run, tmp_path):
     base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", PLUGIN,
             "--task", "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--cpu"]
     r = run_cli(base + ["--decoding", "gad"])
-    assert r.returncode != 0 and "needs --drafter PATH" in r.stderr
+    assert r.returncode == 2 and "needs --drafter PATH" in r.stderr
     r = run_cli(base + ["--decoding", "gad", "--drafter", str(ckpt), "--draft-lookup", str(tmp_path / "t.txt")])
-    assert r.returncode != 0 and "not both" in r.stderr
+    assert r.returncode == 2 and "not both" in r.stderr
     r = run_cli(base + ["--decoding", "gad", "--draft-lookup", str(tmp_path / "missing.txt")])
-    assert r.returncode != 0 and "no such file" in r.stderr
+    assert r.returncode == 2 and "no such file" in r.stderr
     r = run_cli(base + ["--decoding", "gad", "--drafter", str(ckpt)])  # an AR checkpoint is no drafter
-    assert r.returncode != 0 and "not a block_drafter" in r.stderr
+    assert r.returncode == 2 and "not a block_drafter" in r.stderr
     for extra in (["--gad-beta", "2"], ["--gad-tau", "1"], ["--draft-lookup", str(tmp_path / "t.txt")]):
         r = run_cli(base + ["--decoding", "iad", *extra])
-        assert r.returncode != 0 and "to --decoding gad, not --decoding iad" in r.stderr
+        assert r.returncode == 2 and "to --decoding gad, not --decoding iad" in r.stderr
 
 
 def test_drafter_with_another_dictionary_is_refused(tmp_path):

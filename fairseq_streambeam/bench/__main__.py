@@ -1,7 +1,7 @@
 """Benchmark: decode one test set with several methods side by side in ONE process.
 
 Methods run interleaved over repeats (A B C A B C ...) so machine noise hits all alike; ours and
-fairseq's go through the same task API as fairseq-generate (batching, windows, build_generator).
+fairseq's go through the same task API as fairseq-generate (batching, windows, the generator).
 Writes a Markdown table (paper Table 1 shape), JSON and PNG plots to --out. Example:
 
   python -m fairseq_streambeam.bench --data ../shared/models/deen-tiny/data-bin \
@@ -232,7 +232,7 @@ def _subset_posteriors(args, variants, ts, out_dir: Path):
 
 
 def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:
-    # the bench scores each source's best hypothesis (nbest 1); how many finish is task.cfg.finish_count
+    # the bench scores each source's best hypothesis (nbest 1); how many finish is the spec's finish_count
     return argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
                               max_len_b=settings["max_len_b"], min_len=1, unkpen=0, temperature=1.0, nbest=1,
                               unnormalized=False)

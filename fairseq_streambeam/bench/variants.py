@@ -30,7 +30,7 @@ class Variant:
     gad_beta: Optional[int] = None  # gad: verifier top-beta (1 = greedy output; >1 = GAD++)
     gad_tau: Optional[float] = None  # gad++: log-prob tolerance to the verifier's top-1
     draft_min_reach: Optional[float] = None  # aggressive decoding: adaptive draft cap (--draft-min-reach)
-    draft_switch: Optional[bool] = None  # gad: passes without drafts when cheaper (False = --no-draft-switch)
+    draft_switch: Optional[bool] = None  # gad: passes without drafts when cheaper (False: draft in every pass)
     lookup: bool = False  # gad: draft from the run's --draft-lookup n-gram table instead of its --drafter
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """The drafter interface of aggressive decoding: what AggressiveGenerator asks of IAD's input copy
-and GAD's block drafter model. A drafter keeps one opaque state per group of rows decoded together
-and follows the group's row changes (rows leaving, groups merging)."""
+and GAD's block drafter model. A drafter keeps one opaque state per cohort (rows decoded together)
+and follows the cohort's row changes (rows leaving, cohorts merging)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ one parallel pass.
 The drafter keeps its own incremental cache of each row's accepted prefix: every pass feeds the
 tokens accepted since the previous pass (causal, like the AR decoder) followed by k mask slots
 (bidirectional), takes the argmax at the mask slots, and cuts the mask slots off the cache again.
-The source is encoded once per row, the first time its group drafts.
+The source is encoded once per row, the first time its cohort drafts.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from ..runtime.lean_encoder import encode
 
 @dataclass
 class ModelDraftState:
-    """Drafter state of one group of rows. Built lazily: the sources are encoded and the cache is
-    filled the first time the group drafts (with the draft switch a group may never draft)."""
+    """Drafter state of one cohort of rows. Built lazily: the sources are encoded and the cache is
+    filled the first time the cohort drafts (with the draft switch a cohort may never draft)."""
 
-    rows: List[int]  # window rows (sources) in this group, in order
+    rows: List[int]  # window rows (sources) in this cohort, in order
     pending: List[List[int]]  # accepted tokens not yet fed to the drafter, per row (starts as [BOS])
     fed: List[int]  # tokens fed so far per row = target position of the next fed token
     cache: KVCache  # the drafter decoder's cache
-    srcs: Any = None  # the window's sources (generators.common.Sources), to build the group from
+    srcs: Any = None  # the window's sources (generators.common.Sources), to build the cohort from
     outs: List[List[int]] = field(default_factory=list)  # the rows' outputs so far (to rebuild the cache)
 
     @property
@@ -69,7 +69,7 @@ class ModelDrafter:
         return self._feed(g, k).argmax(-1), lens
 
     def _feed(self, g: ModelDraftState, k: int) -> Tensor:
-        """Feed every row's pending tokens plus k mask slots (building the group first); returns
+        """Feed every row's pending tokens plus k mask slots (building the cohort first); returns
         the mask slots' logits [N, k, V] and cuts those slots off the cache again."""
         n = len(g.pending)
         dev = next(self.model.parameters()).device
@@ -88,7 +88,7 @@ class ModelDrafter:
         pos = pos.to(dev)
         if g.built:
             enc = stand_in(self.model, n, dev)[0]
-        else:  # the first pass of this group caches the cross-attention keys
+        else:  # the first pass of this cohort caches the cross-attention keys
             enc = encode(self.model.encoder, g.srcs.subset_input(g.rows))
         logits = self.model.draft_logits(enc, tokens, pos, block_pad, k, state=g.cache.states[0], max_position=top,
                                          block=self.block)
@@ -115,9 +115,9 @@ class ModelDrafter:
         return g
 
     def merge(self, a: ModelDraftState, b: ModelDraftState) -> ModelDraftState:
-        """`b` entered after `a`. A new group left unbuilt did not draft in its first pass (the draft
-        switch was off): then `a` drops its cache rather than build `b`'s, and the merged group is
-        built again when it next drafts; a new group that drafted has `a` built too."""
+        """`b` entered after `a`. A new cohort left unbuilt did not draft in its first pass (the draft
+        switch was off): then `a` drops its cache rather than build `b`'s, and the merged cohort is
+        built again when it next drafts; a new cohort that drafted has `a` built too."""
         if a.built and not b.built:
             self._drop(a)
         elif b.built and not a.built:
@@ -129,7 +129,7 @@ class ModelDrafter:
         return a
 
     def _drop(self, g: ModelDraftState) -> None:
-        """Forget the group's cache: every row's whole prefix is pending again."""
+        """Forget the cohort's cache: every row's whole prefix is pending again."""
         g.cache = KVCache(self.model, len(g.rows))
         g.fed = [0] * len(g.rows)
         g.pending = [[self.bos] + out for out in g.outs]

@@ -43,7 +43,7 @@ class InputCopyDrafter:
         self.guess_edits = guess_edits  # batched rows draft from a guessed realignment (see draft())
         self.vocab_map = vocab_map
 
-    # ---- the group interface (drafters.base.Drafter): one CopyState per row ----
+    # ---- the cohort interface (drafters.base.Drafter): one CopyState per row ----
 
     def open(self, srcs, rows: List[int]) -> List[CopyState]:
         self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device

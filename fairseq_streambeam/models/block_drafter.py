@@ -20,8 +20,8 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 from torch import Tensor
 
-from ..options import UsageError
 from ..runtime.block_step import BlockDecoder
+from ..spec import UsageError
 
 logger = logging.getLogger("fairseq_streambeam")
 

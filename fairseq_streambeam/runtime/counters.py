@@ -24,16 +24,16 @@ class Counters:
     # (target length, rows, model seconds) per decoder step, kept only when set to a list
     trace: Optional[List[Tuple[int, int, float]]] = field(default=None, repr=False)
 
-    def count_step(self, length: int, rows: int, seconds: float, src_width: int, source_positions: int) -> None:
-        """One beam step: `rows` candidates expanded at target length `length` in `seconds`, over
-        cohort source width `src_width` of which `source_positions` are real."""
+    def count_step(self, steps: int, rows: int, seconds: float, src_width: int, source_positions: int) -> None:
+        """One beam step: `rows` candidates expanded in `seconds` by a cohort that had taken `steps`
+        steps, over cohort source width `src_width` of which `source_positions` are real."""
         self.model_seconds += seconds
         self.decoder_steps += 1
         self.expansions += rows
         self.padded_positions += rows * src_width
         self.source_positions += source_positions
         if self.trace is not None:
-            self.trace.append((length, rows, seconds))
+            self.trace.append((steps, rows, seconds))
 
     @property
     def padding_share(self) -> float:

@@ -3,7 +3,7 @@
 Beam search and draft-and-verify both keep their decoder state in a `KVCache`. Its rows may be at
 different lengths: a row's real prefix is its unmasked self-attention slots, and masked slots get
 exactly zero attention weight (fairseq's key padding mask). The operations:
-- rows: `reorder` (beam back-pointers), `select` (rows leave), `cat` (groups merge; shorter
+- rows: `reorder` (beam back-pointers), `select` (rows leave), `cat` (cohorts merge; shorter
   buffers are padded with masked slots);
 - slots: `prime` (a new row's encoder keys, before its first step), `rollback` (rejected draft
   slots), `truncate`, `compact` (drop masked slots), `trim_encoder` (encoder keys no row uses);
@@ -94,7 +94,7 @@ class KVCache:
             _reorder(dec, state, rows, sources_moved)
 
     def select(self, rows: Tensor) -> None:
-        """Keep rows `rows` (rows leaving a streaming group), and the encoder keys some kept row
+        """Keep rows `rows` (rows leaving a streaming cohort), and the encoder keys some kept row
         still uses (`trim_encoder`). Keeping no row empties the cache."""
         if rows.numel() == 0:
             for state in self.states:
@@ -212,8 +212,8 @@ class KVCache:
                 mha._set_input_buffer(state, buf)
 
     def trim_encoder(self) -> None:
-        """Drop cached encoder-attention key columns that every row masks. Merged groups pad these
-        keys to their longest source, and rows leaving do not shrink them, so a streaming group
+        """Drop cached encoder-attention key columns that every row masks. Merged cohorts pad these
+        keys to their longest source, and rows leaving do not shrink them, so a streaming cohort
         would attend over the longest source it ever held. One host sync: call it when rows leave."""
         for dec, state in zip(self.decoders, self.states):
             mods = _encoder_attn(dec)

@@ -2,7 +2,7 @@
 
 A `Rows` dataclass holds one entry per row in each of its fields: a tensor (indexed on its
 first dimension), a numpy array, a list, or None (an absent field). `select` and `cat` apply to
-every field at once, so rows leaving or groups merging never leave a field behind.
+every field at once, so rows leaving or cohorts merging never leave a field behind.
 """
 
 from __future__ import annotations

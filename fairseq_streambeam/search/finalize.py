@@ -25,9 +25,8 @@ class Ranked:
     carried: Tensor  # bool: a finished candidate carried over (sticky rule only)
 
 
-FINISH_COUNT_NEEDS_STICKY = ("--finish-count applies to the sticky rule (--decoding var-batch/var-stream or "
-                             "--finalize sticky); the fairseq rule always ends a source with k (--beam) finished "
-                             "hypotheses")
+FINISH_COUNT_NEEDS_STICKY = ("--finish-count applies to the sticky rule (--decoding var-batch and var-stream); "
+                             "the fairseq rule always ends a source with k (--beam) finished hypotheses")
 
 
 class FairseqFinalize:
