@@ -196,20 +196,15 @@ def step_cost(data: str, path: str, src_lang: str, tgt_lang: str, rows: Sequence
     sentences of about the median length, repeated to fill the rows. Milliseconds per step, the
     median of `steps` timed steps (each synchronized)."""
     import torch
-    from fairseq import checkpoint_utils
     from fairseq.sequence_generator import EnsembleModel
 
-    import fairseq_streambeam  # noqa: F401  (registers the task)
-    from fairseq_streambeam.options import StreamBeamConfig
-    from fairseq_streambeam.task import StreamBeamTranslationTask
+    from fairseq_streambeam.loader import load_models, load_task
 
-    cfg = StreamBeamConfig(data=data, source_lang=src_lang, target_lang=tgt_lang, train_subset="train",
-                           dataset_impl=None, required_seq_len_multiple=1)
-    task = StreamBeamTranslationTask.setup_task(cfg)
-    models, _ = checkpoint_utils.load_model_ensemble(path.split(":"), task=task)
+    task = load_task(data, src_lang, tgt_lang)
+    models = load_models(task, path)
     dev = torch.device(device)
     for m in models:
-        m.eval().to(dev)
+        m.to(dev)
     model = EnsembleModel(models).eval()
     task.load_dataset(subset)
     ds = task.dataset(subset)
