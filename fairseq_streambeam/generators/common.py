@@ -111,12 +111,11 @@ def empty_hypothesis(eos: int, device) -> Dict[str, Tensor]:
 
 def to_host(**parts: Tensor) -> Dict[str, np.ndarray]:
     """Several tensors brought to the host in one copy (one synchronization on CUDA), by name, in
-    their own shapes: bools and integers travel as int64, float32/64 as their bits (exact)."""
-    flat = []
-    for t in parts.values():
-        if t.is_floating_point():
-            t = t.contiguous().view(_BITS[t.dtype][0])
-        flat.append(t.reshape(-1).long())
+    their own shapes: bools and integers travel as int64, floats as the bits of their float32 or
+    float64 value (exact; half precision comes back as float32)."""
+    parts = {k: t.float() if t.is_floating_point() and t.dtype not in _BITS else t for k, t in parts.items()}
+    flat = [(t.contiguous().view(_BITS[t.dtype][0]) if t.is_floating_point() else t).reshape(-1).long()
+            for t in parts.values()]
     host = torch.cat(flat).cpu().numpy()
     out, i = {}, 0
     for name, t in parts.items():
