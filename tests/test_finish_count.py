@@ -112,7 +112,7 @@ CASES = [  # k, z, delta, M, decoding
     (5, 5, 2.5, 5, "var-stream"),
     (3, 2, math.inf, 2, "var-batch"),
     (1, 1, 1.5, 5, "var-batch"),
-    (5, 5, None, None, "beam"),  # fixed beam with --finalize sticky: no delta, no M
+    (5, 5, None, None, "beam"),  # fixed beam with finalize="sticky": no delta, no M
 ]
 
 
