@@ -17,9 +17,19 @@ from helpers import (
 from fairseq_streambeam import Budget
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime import block_step
-from fairseq_streambeam.runtime.block_step import forward_block
+from fairseq_streambeam.runtime.block_step import BlockDecoder
 from fairseq_streambeam.runtime.kv_cache import KVCache, cat_states, stand_in, without_padding_mask
-from fairseq_streambeam.runtime.lean_layer import Slots, lean_supported, supports_lean
+from fairseq_streambeam.runtime.lean_layer import Slots, lean_supported
+
+
+def forward_block(decoder, *args, **kwargs):
+    """One uncached block decoder call (nothing reused between calls)."""
+    return BlockDecoder(decoder)(*args, **kwargs)
+
+
+def supports_lean(layer) -> bool:
+    """`lean_supported`, and the layer is in inference mode."""
+    return not layer.training and lean_supported(layer)
 
 D = make_dict(30)
 

@@ -22,7 +22,20 @@ from helpers import (
 
 from fairseq_streambeam import Budget
 from fairseq_streambeam.scorers.build_posteriors import posteriors, read_nbest
-from fairseq_streambeam.scorers.lmbr import LMBRScorer, Theta, load_posteriors, reference_score, write_posteriors
+from fairseq_streambeam.scorers.lmbr import MAX_ORDER, LMBRScorer, Theta, load_posteriors, write_posteriors
+
+
+def reference_score(post: dict, theta: Theta, lam: float, history, word: int, lprob: float) -> float:
+    """Slow, obviously-correct scoring of one candidate (the specification the tests hold to): the
+    paper's score, lambda * lprob + Theta0 + sum_n Theta_n P, divided by lambda."""
+    h = tuple(history)
+    total = lam * lprob + theta.theta0
+    for n in range(1, MAX_ORDER + 1):
+        if n - 1 <= len(h):
+            g = (h[len(h) - (n - 1):] if n > 1 else ()) + (word,)
+            total += theta.theta[n - 1] * post.get(g, 0.0)
+    return total / lam if not math.isinf(lprob) else lprob
+
 
 D = make_dict(30)
 PAD, EOS = D.pad(), D.eos()

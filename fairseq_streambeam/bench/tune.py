@@ -27,7 +27,6 @@ from ..scorers.build_posteriors import EvidenceError, add_evidence_args, load_ev
 from ..scorers.lmbr import write_posteriors
 
 Setting = Tuple[float, float, float]  # (alpha, lambda, theta0)
-PARAMS = ("alpha", "lambda", "theta0")
 
 
 @dataclass

@@ -137,11 +137,6 @@ class BlockDecoder:
         return decoder.output_layer(x)
 
 
-def forward_block(decoder, *args, **kwargs) -> Tensor:
-    """`BlockDecoder(decoder)(...)`, reusing nothing between calls (training, one-off calls)."""
-    return BlockDecoder(decoder)(*args, **kwargs)
-
-
 def ensemble_lprobs(models, logits: List[Tensor], temperature: float) -> Tensor:
     """fairseq EnsembleModel.forward_decoder's scores from each model's logits (as block decoders
     return them): temperature, normalized log-probs, then the log-mean-exp over the models."""

@@ -87,11 +87,6 @@ def lean_supported(layer) -> bool:
     return _layer_support(layer) and not applies_dropout(layer)
 
 
-def supports_lean(layer) -> bool:
-    """`lean_supported`, and the layer is in inference mode."""
-    return not layer.training and lean_supported(layer)
-
-
 def applies_dropout(module: torch.nn.Module) -> bool:
     """True when some FairseqDropout inside `module` drops at inference (`--retain-dropout`)."""
     return any(isinstance(m, FairseqDropout) and m.p > 0 and m.apply_during_inference for m in module.modules())

@@ -23,7 +23,6 @@ length's widest row (the root's unigrams are many, a long history's entries few)
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -222,19 +221,6 @@ class LMBRScorer:
         nxt = torch.where(hit, self.trans_next[pos], torch.full_like(pos, -1)).max(dim=1).values
         nxt = torch.where(nxt >= 0, nxt, anc[:, 0])
         return torch.where(tokens == self.pad, state, nxt)
-
-
-def reference_score(post: Dict[NGram, float], theta: Theta, lam: float, history: Sequence[int], word: int,
-                    lprob: float) -> float:
-    """Slow, obviously-correct scoring of one candidate (the specification the tests hold to): the
-    paper's score, lambda * lprob + Theta0 + sum_n Theta_n P, divided by lambda."""
-    h = tuple(history)
-    total = lam * lprob + theta.theta0
-    for n in range(1, MAX_ORDER + 1):
-        if n - 1 <= len(h):
-            g = (h[len(h) - (n - 1):] if n > 1 else ()) + (word,)
-            total += theta.theta[n - 1] * post.get(g, 0.0)
-    return total / lam if not math.isinf(lprob) else lprob
 
 
 def write_posteriors(path: Path, records: Dict[int, Dict[NGram, float]]) -> None:
