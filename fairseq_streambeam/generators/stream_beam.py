@@ -5,7 +5,7 @@ cohort; the cohort's KVCache feeds one incremental decoder step; fairseq's penal
 `rank_candidates` + the finalization rule + pruning decide what is final and what continues;
 beams and cache follow the back-pointers. Every source evolves independently of the others, so
 the schedule changes speed, never output. With the continuous order there is one cohort whose
-sources are at different steps: its rows step through `forward_block` at their own positions,
+sources are at different steps: its rows step through `BlockDecoder` at their own positions,
 over a cache whose rows are padded with masked slots.
 """
 
@@ -448,7 +448,7 @@ class StreamBeamGenerator(SequenceGenerator):
     def _ragged_lprobs(self, c: BeamCohort, tokens_in: Tensor, row_src: Tensor) -> Tensor:
         """Log-probs [N, V] of the live rows of a ragged cohort, each row's last token at its own
         position. fairseq's incremental decoder takes one position for the whole batch (the
-        prefix width), so the rows go through `forward_block` as blocks of one token over the
+        prefix width), so the rows go through `BlockDecoder` as blocks of one token over the
         cohort's cache; the scores are fairseq's `EnsembleModel.forward_decoder`'s (temperature,
         normalized log-probs, the ensemble's log-mean-exp)."""
         positions = c.src.steps_t.index_select(0, row_src).unsqueeze(1)  # type: ignore[union-attr]

@@ -3,7 +3,7 @@ pass over the cached prefix (draft verification, drafters, and beam rows at diff
 
 fairseq adapter. fairseq's TransformerDecoder in incremental mode only processes the last token
 (`prev_output_tokens[:, -1:]`) and builds no causal mask, so verifying a draft block would need one
-call per token. `forward_block` runs the same embedding, layers and output projection on a block,
+call per token. `BlockDecoder` runs the same embedding, layers and output projection on a block,
 with per-row positions and a causal mask within the block; fairseq's MultiheadAttention appends
 the block to its cached keys and keeps a key padding mask, which is how rejected draft slots and
 rows of different real lengths are handled: masked slots get exactly zero attention weight.
@@ -22,7 +22,7 @@ from .lean_layer import Slots, lean_layers, lean_supported
 
 
 def block_decodable(decoder) -> bool:
-    """True when rows of different lengths can share `decoder`'s cache: `forward_block` runs it
+    """True when rows of different lengths can share `decoder`'s cache: `BlockDecoder` runs it
     (fairseq's transformer decoder without cross-self-attention, whose keys mix the encoder output
     into the self-attention cache) and every layer attends to the encoder, so new rows are primed
     with their encoder keys alone (`prime_encoder_keys`)."""
@@ -59,8 +59,8 @@ def block_attn_mask(prev: int, m: int, tail: int, dtype, device) -> Tensor:
 
 
 class BlockDecoder:
-    """`forward_block` for one fairseq transformer decoder, with what it reuses between calls: the
-    positional embeddings of target positions 0..n-1 (grown by doubling up to the decoder's
+    """A block of tokens per row through one fairseq transformer decoder, with what it reuses
+    between calls: the positional embeddings of target positions 0..n-1 (grown by doubling up to the decoder's
     max_positions; a learned table is recomputed after its weight changes), and whether its layers
     take the lean path (runtime.lean_layer), decided when it is built. Generators and drafters
     build one per decoder with themselves."""

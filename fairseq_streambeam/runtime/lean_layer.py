@@ -13,7 +13,7 @@ runtime.kv_cache works on either path. The attention masks are built once
 per block for all layers. Projections and layer norms are computed with F.linear and
 F.layer_norm on the modules' own weights (`linear`, `norm`): Module.__call__ costs a few
 microseconds, and a pass of a small model makes tens of these calls. Layers with an option it does
-not implement (`supports_lean`: among others, projections that are not plain torch modules or
+not implement (`lean_supported`: among others, projections that are not plain torch modules or
 carry hooks, as quant-noise's do) keep fairseq's own forward.
 """
 
