@@ -4,7 +4,8 @@ The input files are read as one stream of lines and cut into shards of `--shard-
 shard is decoded with the plugin's task (streaming by default) and written as
 `shards/shard-NNNNN.out` plus a record `shard-NNNNN.json` (line range, checksum, counters, bad-input
 counts), each through a temporary file, fsync and rename, so a killed run never leaves a half
-shard that looks done. Re-running the same command skips finished shards and redoes the rest.
+shard that looks done. Re-running the same command skips finished shards and redoes the rest; a
+shard decoded from other input lines, options or checkpoints is decoded again.
 When every shard is done, `output.txt` is merged in input order (exactly one line per input line)
 with `manifest.json`.
 
@@ -56,7 +57,8 @@ GENERATION_OPTIONS = ("beam", "nbest", "lenpen", "unkpen", "max_len_a", "max_len
 def parse_args(argv=None):
     """The command line, checked before anything loads or is written: a usage mistake is one line
     `prog: error: ...` and exit status 2."""
-    p = argparse.ArgumentParser(prog="streambeam-decode-corpus", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="streambeam-decode-corpus", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="raw text file(s), read as one stream of lines")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--data", required=True, help="directory with the model's dictionaries")
@@ -70,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--shard-lines", type=int, default=100_000)
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
     p.add_argument("--max-tokens", type=int)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (set explicitly)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even when present")
     p.add_argument("--fp16", action="store_true", help="half-precision models (on CUDA); scores stay float32")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -188,8 +190,29 @@ def checksum(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def shard_done(shard_dir: Path, sid: int, rng: Tuple[int, int]) -> bool:
-    """Done = its record exists, matches the range, and the output matches the record's checksum."""
+# options that change no output line: where outputs go, progress, threads, file names (their lines count)
+_NOT_IN_KEY = ("output_dir", "quiet", "threads", "input", "shard_lines")
+
+
+def run_key(args) -> str:
+    """What every shard's output depends on beside its lines: the options and the checkpoints
+    (path, size, modification time)."""
+    options = {k: v for k, v in vars(args).items() if k not in _NOT_IN_KEY}
+    checkpoints = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in args.path.split(":")]
+    return json.dumps([options, checkpoints], sort_keys=True, default=str)
+
+
+def shard_key(run: str, lines: List[bytes]) -> str:
+    """A shard's key: its input lines under the run's options and checkpoints."""
+    h = hashlib.sha256(run.encode("utf-8"))
+    for line in lines:
+        h.update(line + b"\n")
+    return h.hexdigest()
+
+
+def shard_done(shard_dir: Path, sid: int, rng: Tuple[int, int], key: Optional[str] = None) -> bool:
+    """Done = its record exists, matches the range and the key (input lines, options, checkpoints),
+    and the output matches the record's checksum."""
     rec_path = shard_dir / (SHARD.format(sid) + ".json")
     out_path = shard_dir / (SHARD.format(sid) + ".out")
     if not rec_path.exists() or not out_path.exists():
@@ -198,7 +221,7 @@ def shard_done(shard_dir: Path, sid: int, rng: Tuple[int, int]) -> bool:
         rec = json.loads(rec_path.read_text())
     except ValueError:
         return False
-    return (rec.get("status") == "done" and (rec.get("start"), rec.get("end")) == rng
+    return (rec.get("status") == "done" and (rec.get("start"), rec.get("end")) == rng and rec.get("key") == key
             and rec.get("checksum") == checksum(out_path.read_text(encoding="utf-8")))
 
 
@@ -212,11 +235,13 @@ def worker_identity() -> Tuple[int, int]:
     return 0, 1
 
 
-def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict) -> Optional[dict]:
-    """Write output.txt and manifest.json if every shard is done; return the summed counters
-    (None when shards are still pending)."""
+def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict,
+          keys: Optional[List[str]] = None) -> Optional[dict]:
+    """Write output.txt and manifest.json if every shard is done (with `keys`, the shards' keys);
+    return the summed counters (None when shards are still pending)."""
     shard_dir = out_dir / "shards"
-    if not all(shard_done(shard_dir, i, r) for i, r in enumerate(ranges)):
+    keys = keys or [None] * len(ranges)
+    if not all(shard_done(shard_dir, i, r, k) for i, (r, k) in enumerate(zip(ranges, keys))):
         return None
     records = [json.loads((shard_dir / (SHARD.format(i) + ".json")).read_text()) for i in range(len(ranges))]
     text = "".join((shard_dir / (SHARD.format(i) + ".out")).read_text(encoding="utf-8") for i in range(len(ranges)))
@@ -321,10 +346,14 @@ def main(argv=None) -> int:
     options = {k: v for k, v in vars(args).items() if k not in ("output_dir", "quiet")}
     rank, world = worker_identity()
     dist = _init_distributed(world)
+    run = run_key(args)
+    keys = [shard_key(run, lines[a:b]) for a, b in ranges]
     mine = [i for i in range(len(ranges)) if i % world == rank]
-    todo = [i for i in mine if not shard_done(shard_dir, i, ranges[i])]
+    todo = [i for i in mine if not shard_done(shard_dir, i, ranges[i], keys[i])]
+    stale = sum(shard_done(shard_dir, i, ranges[i], _recorded_key(shard_dir, i)) for i in todo)
     print(f"worker {rank}/{world}: {len(ranges)} shards of {args.shard_lines} lines, {len(mine)} mine, "
-          f"{len(mine) - len(todo)} already done, {len(todo)} to decode", flush=True)
+          f"{len(mine) - len(todo)} already done, {len(todo)} to decode"
+          + (f" ({stale} done before with other input lines, options or checkpoints)" if stale else ""), flush=True)
     if todo:
         from tqdm import tqdm
 
@@ -338,7 +367,7 @@ def main(argv=None) -> int:
                 hyps, counters, bad = dec.decode(lines[a:b], bar)
             text = "".join(h + "\n" for h in hyps)
             write_atomic(shard_dir / (SHARD.format(i) + ".out"), text)
-            record = {"id": i, "start": a, "end": b, "status": "done", "checksum": checksum(text),
+            record = {"id": i, "start": a, "end": b, "status": "done", "checksum": checksum(text), "key": keys[i],
                       "worker": rank, "counters": counters, "bad": bad}
             write_atomic(shard_dir / (SHARD.format(i) + ".json"), json.dumps(record))
             done_lines += b - a
@@ -351,7 +380,7 @@ def main(argv=None) -> int:
     if dist is not None:
         dist.barrier()
     if rank == 0 or dist is None:
-        totals = merge(out_dir, ranges, files, options)
+        totals = merge(out_dir, ranges, files, options, keys)
         if totals is not None:
             note = bad_input_summary({k[4:]: v for k, v in totals.items() if k.startswith("bad_")})
             print(f"merged {len(lines)} lines into {out_dir / 'output.txt'}; bad input lines: {note or 'none'}",
@@ -361,6 +390,14 @@ def main(argv=None) -> int:
     if dist is not None:
         dist.destroy_process_group()
     return 0
+
+
+def _recorded_key(shard_dir: Path, sid: int) -> Optional[str]:
+    """The key in a shard's record (None without a readable record)."""
+    try:
+        return json.loads((shard_dir / (SHARD.format(sid) + ".json")).read_text()).get("key")
+    except (OSError, ValueError):
+        return None
 
 
 def _init_distributed(world: int):

@@ -143,8 +143,8 @@ class DecodeSpec:
             if not ok(value):
                 raise UsageError(f"{flag(name)} must be {allowed}, got {value}")
         self._check_applies()
-        if self.kind.family == "draft" and self.nbest > 1:
-            raise UsageError(f"--decoding {self.decoding} is greedy: it returns one hypothesis (--nbest 1)")
+        if (self.kind.family == "draft" or self.decoding == "greedy") and self.nbest > 1:
+            raise UsageError(f"--decoding {self.decoding} returns one hypothesis per source: --nbest must be 1")
         if self.kind.family == "beam":
             if self.finish_count is not None and self.rule != "sticky":
                 raise UsageError(FINISH_COUNT_NEEDS_STICKY)
@@ -160,7 +160,8 @@ class DecodeSpec:
         """Options that only mean something beside another one."""
         lmbr = [n for n in ("lmbr_lambda", "lmbr_theta0", "lmbr_p", "lmbr_r") if getattr(self, n) != _DEFAULTS[n]]
         if lmbr and not self.lmbr_posteriors:
-            raise UsageError(f"{' and '.join(flag(n) for n in lmbr)} need --lmbr-posteriors")
+            raise UsageError(f"{' and '.join(flag(n) for n in lmbr)} {'need' if len(lmbr) > 1 else 'needs'} "
+                             "--lmbr-posteriors")
         if self.draft_lookup_order != _DEFAULTS["draft_lookup_order"] and not self.draft_lookup:
             raise UsageError("--draft-lookup-order needs --draft-lookup")
         if self.gad_tau != _DEFAULTS["gad_tau"] and self.gad_beta == 1:
@@ -295,8 +296,8 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
                              "use --decoding fairseq for those")
         spec = DecodeSpec(**plugin, **fields)
     if decoding == "gad" and not (spec.drafter or spec.draft_lookup):
-        raise UsageError("--decoding gad needs --drafter PATH (a block_drafter checkpoint, see "
-                         "scripts/train_drafter.sh) or --draft-lookup TEXT (target-side text for an n-gram table)")
+        raise UsageError("--decoding gad needs --drafter PATH (a block_drafter checkpoint) or --draft-lookup TEXT "
+                         "(target-side text for an n-gram table); see docs/drafting.md")
     return spec
 
 
@@ -306,7 +307,7 @@ def check_files(spec: DecodeSpec) -> None:
     for name in FILES:
         path = getattr(spec, name)
         if path and not os.path.isfile(path):
-            raise UsageError(f"{flag(name)} {path}: no such file")
+            raise UsageError(f"{flag(name)} {path}: {'not a regular file' if os.path.exists(path) else 'no such file'}")
     if spec.drafter and not is_checkpoint_file(spec.drafter):
         raise UsageError(f"--drafter {spec.drafter} is not a checkpoint (a file written by torch.save, e.g. "
                          "checkpoint_best.pt of scripts/train_drafter.sh)")

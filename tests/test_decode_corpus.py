@@ -229,7 +229,8 @@ def test_decode_corpus_options_reach_the_generator(tiny_run, tmp_path):
     (["--beam", "0"], "--beam must be >= 1, got 0"),
     (["--decoding", "beam", "--stream-order", "continuous"], "--stream-order applies to var-stream"),
     (["--min-len", "9", "--max-len-b", "3"], "--min-len 9 exceeds the maximum length 3"),
-    (["--decoding", "iad", "--nbest", "2"], "--decoding iad is greedy"),
+    (["--decoding", "iad", "--nbest", "2"], "--decoding iad returns one hypothesis per source"),
+    (["--decoding", "greedy", "--nbest", "2"], "--decoding greedy returns one hypothesis per source"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--input", "missing.txt"], "--input missing.txt: no such file"),
     (["--bpe", "sentencepiece"], "--bpe sentencepiece needs --sentencepiece-model"),
@@ -266,3 +267,28 @@ def test_nbest_puts_the_n_best_of_a_line_on_that_line(tiny_run, tmp_path):
     two = (tmp_path / "two" / "output.txt").read_text(encoding="utf-8").splitlines()
     assert len(two) == len(top1) and all(line.count("\t") == 1 for line in two)
     assert [line.split("\t")[0] for line in two] == top1
+
+
+def test_other_input_or_options_are_decoded_again(corpus, tmp_path, capsys):
+    """A shard counts as done only for the same input lines, options and checkpoints: a re-run
+    with another decoding, or over edited input, decodes again instead of keeping stale output."""
+    args, n = corpus
+    out = tmp_path / "run"
+    stream = _clean_run(corpus, out)
+    i = args.index("--decoding")
+    greedy = [*args[:i], "--decoding", "greedy", *args[i + 2:], "--output-dir", str(out)]
+    capsys.readouterr()
+    assert decode_main(greedy) == 0
+    said = capsys.readouterr().out
+    assert "0 already done" in said and "done before with other input lines, options or checkpoints" in said
+    again = (out / "output.txt").read_text(encoding="utf-8")
+    assert decode_main([*greedy[:i], "--decoding", "greedy", *args[i + 2:], "--output-dir", str(tmp_path / "g")]) == 0
+    assert again == (tmp_path / "g" / "output.txt").read_text(encoding="utf-8") != stream
+    edited = tmp_path / "a.txt"  # the first file with its first line changed: its shard alone is decoded again
+    first = args[args.index("--input") + 1]
+    lines = open(first, "rb").read().split(b"\n")
+    edited.write_bytes(b"\n".join([b"w1 w2 w3"] + lines[1:]))
+    j = greedy.index(first)
+    capsys.readouterr()
+    assert decode_main([*greedy[:j], str(edited), *greedy[j + 1:]]) == 0
+    assert f"{-(-n // 10) - 1} already done, 1 to decode" in capsys.readouterr().out

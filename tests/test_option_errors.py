@@ -43,7 +43,7 @@ CASES = [
     (["--decoding", "gad"], "--decoding gad needs --drafter PATH"),
     (["--decoding", "gad", "--drafter", "{text}", "--draft-lookup", "{text}"], "not both"),
     (["--decoding", "gad", "--draft-lookup", "{text}", "--gad-beta", "0"], "--gad-beta must be >= 1, got 0"),
-    (["--decoding", "gad", "--draft-lookup", "{text}", "--nbest", "2"], "is greedy: it returns one hypothesis"),
+    (["--decoding", "gad", "--draft-lookup", "{text}", "--nbest", "2"], "returns one hypothesis per source"),
     (["--decoding", "iad", "--gad-tau", "1"], "--gad-tau applies to --decoding gad, not --decoding iad"),
     (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "applies to the beam decodings, not --decoding iad"),
     (["--decoding", "beam", "--beam", "0"], "--beam must be >= 1, got 0"),
