@@ -35,6 +35,7 @@ setup(
             "streambeam-generate = fairseq_streambeam.cli:generate",
             "streambeam-interactive = fairseq_streambeam.cli:interactive",
             "streambeam-decode-corpus = fairseq_streambeam.cli:decode_corpus",
+            "streambeam-calibrate = fairseq_streambeam.cli:calibrate",
         ],
     },
     extras_require={

@@ -1,6 +1,7 @@
 """Console commands: `streambeam-generate` and `streambeam-interactive` are fairseq-generate and
 fairseq-interactive with this plugin's `--user-dir` and `--task streambeam_translation` filled in;
-`streambeam-decode-corpus` is `python -m fairseq_streambeam.decode_corpus`.
+`streambeam-decode-corpus` and `streambeam-calibrate` are `python -m fairseq_streambeam.decode_corpus`
+and `python -m fairseq_streambeam.calibrate`.
 
 A relative `--user-dir fairseq_streambeam` resolves against the working directory, so it works only
 from the checkout root; these commands pass the installed package's absolute path instead, and so
@@ -79,5 +80,12 @@ def decode_corpus(argv: Optional[List[str]] = None) -> int:
     """`streambeam-decode-corpus`: sharded, resumable decoding (imported when run, so the other
     two commands do not load it)."""
     from fairseq_streambeam.decode_corpus import main
+
+    return main(argv)
+
+
+def calibrate(argv: Optional[List[str]] = None) -> int:
+    """`streambeam-calibrate`: pruning and LMBR settings from a dev set (imported when run)."""
+    from fairseq_streambeam.calibrate import main
 
     return main(argv)

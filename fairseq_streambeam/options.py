@@ -68,8 +68,9 @@ class StreamBeamConfig(TranslationConfig):
         default=None, metadata={"help": "LMBR n-gram posteriors (JSON lines by sentence id, from "
                                         "python -m fairseq_streambeam.scorers.build_posteriors)"})
     lmbr_lambda: Optional[float] = field(
-        default=None, metadata={"help": "LMBR: weight of the NMT log-probs against the evidence (default 1 / "
-                                        "number of models); scores, and var-*'s delta, stay in NMT log-prob units"})
+        default=None, metadata={"help": "LMBR: weight of the NMT log-probs against the evidence (var-*: default 1 "
+                                        "/ number of models; beam, greedy, fixed-stream: required, from "
+                                        "streambeam-calibrate); scores, and var-*'s delta, stay in NMT log-prob units"})
     lmbr_theta0: Optional[float] = field(
         default=None, metadata={"help": "LMBR: per-word constant Theta0 (default -1/T of Tromble et al.)"})
     lmbr_p: float = field(default=0.85, metadata={"help": "LMBR linear-BLEU precision p (Tromble et al. 2008)"})

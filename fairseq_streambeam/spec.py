@@ -162,6 +162,10 @@ class DecodeSpec:
         if lmbr and not self.lmbr_posteriors:
             raise UsageError(f"{' and '.join(flag(n) for n in lmbr)} {'need' if len(lmbr) > 1 else 'needs'} "
                              "--lmbr-posteriors")
+        if self.lmbr_posteriors and self.lmbr_lambda is None and not self.kind.variable:
+            # measured: at the defaults, LMBR lowers fixed-width beam's BLEU (docs/lmbr.md, "Defaults")
+            raise UsageError(f"--lmbr-posteriors with --decoding {self.decoding} needs a tuned --lmbr-lambda (the "
+                             "defaults lower fixed-width beam's BLEU): run streambeam-calibrate on a dev set")
         if self.draft_lookup_order != _DEFAULTS["draft_lookup_order"] and not self.draft_lookup:
             raise UsageError("--draft-lookup-order needs --draft-lookup")
         if self.gad_tau != _DEFAULTS["gad_tau"] and self.gad_beta == 1:

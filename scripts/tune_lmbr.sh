@@ -3,7 +3,7 @@
 #   1. evidence: fairseq-generate --nbest N (beam N) on the dev split, once per evidence system
 #      (--evidence a.pt,b.pt: one n-best list each = system combination; default: the model itself);
 #      skipped for systems whose list exists, or when --nbest files are given
-#   2. python -m fairseq_streambeam.bench.tune over the grids (coordinate search by default)
+#   2. streambeam-calibrate (python -m fairseq_streambeam.calibrate) over the LMBR grids
 # Writes OUT/evidence/*.nbest and the tuner's OUT/tune.md, best.json (bench --config), best.args
 # (fairseq-generate options, e.g. `fairseq-generate ... --lmbr-posteriors P $(cat OUT/best.args)`).
 #   scripts/tune_lmbr.sh --data DATA-BIN --path model.pt -s de -t en --out work/tune
@@ -58,6 +58,6 @@ else
     files+=("$f")
   done
 fi
-exec "$python" -m fairseq_streambeam.bench.tune --data "$data" --path "$path" -s "$s" -t "$t" --gen-subset "$dev" \
+exec "$python" -m fairseq_streambeam.calibrate --data "$data" --path "$path" -s "$s" -t "$t" --gen-subset "$dev" \
   --limit "$limit" --post-process "$post" --nbest "${files[@]}" --decoding "$decoding" --beam "$beam" \
   --threads "$threads" --out "$out" "$@"

@@ -235,10 +235,22 @@ def _task(tmp_path, **cfg):
     return StreamBeamTranslationTask(StreamBeamConfig(**base, **cfg), D, D)
 
 
-@pytest.mark.parametrize("decoding,n_models", [("beam", 1), ("var-stream", 1), ("var-stream", 2)])
+@pytest.mark.parametrize("decoding", ["beam", "greedy", "fixed-stream"])
+def test_fixed_width_lmbr_needs_a_tuned_lambda(tmp_path, decoding):
+    """At the defaults LMBR lowers fixed-width beam's BLEU (docs/lmbr.md), so those decodings refuse
+    to run untuned and name the tuner; with a lambda they run."""
+    from fairseq_streambeam.spec import UsageError
+
+    write_posteriors(tmp_path / "p.jsonl", {0: {(5,): 0.5}})
+    with pytest.raises(UsageError, match="needs a tuned --lmbr-lambda .* streambeam-calibrate"):
+        _task(tmp_path, decoding=decoding, lmbr_posteriors=str(tmp_path / "p.jsonl"))
+    _task(tmp_path, decoding=decoding, lmbr_posteriors=str(tmp_path / "p.jsonl"), lmbr_lambda=0.5)
+
+
+@pytest.mark.parametrize("decoding,n_models", [("var-batch", 1), ("var-stream", 1), ("var-stream", 2)])
 def test_task_defaults_equal_the_scorer_given_directly(tmp_path, decoding, n_models):
-    """fairseq-generate's LMBR defaults (lambda 1 / number of models, Theta0 -1, delta 1.5) are what a
-    Python caller gets by handing the generator an LMBRScorer with that lambda."""
+    """fairseq-generate's LMBR defaults for var-* (lambda 1 / number of models, Theta0 -1, delta 1.5)
+    are what a Python caller gets by handing the generator an LMBRScorer with that lambda."""
     import argparse
 
     _, posts = _scorer()
@@ -264,7 +276,7 @@ def test_task_parses_posteriors_once_per_file_version(tmp_path, monkeypatch):
     monkeypatch.setattr(task_mod, "load_posteriors", lambda path: calls.append(path) or load_posteriors(path))
     path = tmp_path / "p.jsonl"
     write_posteriors(path, {0: {(5,): 0.5}})
-    task = _task(tmp_path, decoding="beam", lmbr_posteriors=str(path))
+    task = _task(tmp_path, decoding="beam", lmbr_posteriors=str(path), lmbr_lambda=1.0)
     args = argparse.Namespace(beam=2, nbest=1, max_len_b=4)
     for _ in range(3):
         task.build_generator([MODEL], args)
@@ -304,9 +316,9 @@ def test_fairseq_generate_with_lmbr(tiny_run, tmp_path):
                  "--write-vocab-masks", str(tmp_path / "m.jsonl")])
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"posteriors for {N_TEST} sentences" in r.stdout
-    for decoding in ("beam", "var-stream"):
+    for decoding, lam in (("beam", ["--lmbr-lambda", "1"]), ("var-stream", [])):
         r = run_cli([str(BIN / "fairseq-generate"), *common, "--beam", "4", "--decoding", decoding,
-                     "--lmbr-posteriors", str(tmp_path / "p.jsonl"), "--lmbr-theta0", "-0.1"])
+                     "--lmbr-posteriors", str(tmp_path / "p.jsonl"), "--lmbr-theta0", "-0.1", *lam])
         assert r.returncode == 0, r.stderr[-2000:]
         assert sorted(int(i) for i in re.findall(r"^H-(\d+)\t", r.stdout, re.M)) == list(range(N_TEST))
 
@@ -332,7 +344,8 @@ def test_bench_runs_lmbr_variants_on_a_subset(tiny_run, tmp_path):
     write_posteriors(tmp_path / "p.jsonl", posts)
     rows = bench_main(["--data", str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt", "--post-process", "none",
                        "--out", str(tmp_path), "--quiet", "--no-plots", "--limit", "20", "--methods",
-                       "beam,beam+lmbr,var-stream+lmbr", "--lmbr-posteriors", str(tmp_path / "p.jsonl")])
+                       "beam,beam+lmbr,var-stream+lmbr", "--lmbr-posteriors", str(tmp_path / "p.jsonl"),
+                       "--lmbr-lambda", "1"])
     assert [r["method"] for r in rows] == ["beam", "beam+lmbr", "var-stream+lmbr"]
     sub = load_posteriors(str(tmp_path / "lmbr_posteriors.subset.jsonl"))
     assert len(sub) == 20 and sub[10] == {(7,): 0.5}  # subset index 10 is test line 30 (every 3rd line)

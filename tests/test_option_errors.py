@@ -45,6 +45,7 @@ CASES = [
     (["--decoding", "gad", "--draft-lookup", "{text}", "--gad-beta", "0"], "--gad-beta must be >= 1, got 0"),
     (["--decoding", "gad", "--draft-lookup", "{text}", "--nbest", "2"], "returns one hypothesis per source"),
     (["--decoding", "iad", "--gad-tau", "1"], "--gad-tau applies to --decoding gad, not --decoding iad"),
+    (["--decoding", "beam", "--lmbr-posteriors", "{text}"], "needs a tuned --lmbr-lambda (the defaults lower"),
     (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "applies to the beam decodings, not --decoding iad"),
     (["--decoding", "beam", "--beam", "0"], "--beam must be >= 1, got 0"),
     (["--decoding", "iad", "--beam", "0"], "--beam must be >= 1, got 0"),

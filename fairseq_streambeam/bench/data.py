@@ -3,7 +3,7 @@ own tokenizer/BPE classes (moses + fastBPE for the WMT'19 models, sentencepiece 
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,17 +29,25 @@ class CorpusOrder(BaseWrapperDataset):
         return np.arange(len(self), dtype=np.int64)
 
 
-def _every(n: int, limit: int) -> List[int]:
-    """Indices of an evenly spaced subset of about `limit` items (all when limit is 0)."""
+def _every(n: int, limit: int, lines: Optional[Tuple[int, int]] = None) -> List[int]:
+    """Indices of an evenly spaced subset of about `limit` items (all when limit is 0), of the
+    items `lines` = (start, end) when given."""
+    start, end = lines or (0, n)
+    if end > n:
+        raise ValueError(f"lines {start}:{end} run past the end of the test set ({n} sentences)")
+    n = end - start
     if not limit or limit >= n:
-        return list(range(n))
-    return list(range(0, n, n // limit))[:limit]
+        return list(range(start, end))
+    return [start + i for i in range(0, n, n // limit)][:limit]
 
 
-def from_data_bin(task, subset: str, limit: int, post_process: Optional[str]) -> TestSet:
+def from_data_bin(task, subset: str, limit: int, post_process: Optional[str],
+                  lines: Optional[Tuple[int, int]] = None) -> TestSet:
     task.load_dataset(subset)
     ds = task.dataset(subset)
-    keep = _every(len(ds), limit)
+    if ds.tgt is None:
+        raise ValueError(f"split {subset} has no target side: no references to score against")
+    keep = _every(len(ds), limit, lines)
     src = [ds.src[i] for i in keep]
     tgt = [ds.tgt[i] for i in keep]
     dataset = LanguagePairDataset(src, [len(x) for x in src], task.source_dictionary, tgt, [len(x) for x in tgt],
@@ -51,12 +59,12 @@ def from_data_bin(task, subset: str, limit: int, post_process: Optional[str]) ->
 
 
 def from_raw(task, src_path: str, ref_path: str, limit: int, tokenizer: str, bpe: str, bpe_codes: Optional[str],
-             sentencepiece_model: Optional[str]) -> TestSet:
+             sentencepiece_model: Optional[str], lines: Optional[Tuple[int, int]] = None) -> TestSet:
     src_lines = Path(src_path).read_text(encoding="utf-8").splitlines()
     ref_lines = Path(ref_path).read_text(encoding="utf-8").splitlines()
     if len(src_lines) != len(ref_lines):
         raise ValueError(f"{src_path} has {len(src_lines)} lines but {ref_path} has {len(ref_lines)}")
-    keep = _every(len(src_lines), limit)
+    keep = _every(len(src_lines), limit, lines)
     codec = TextCodec(task, tokenizer, bpe, bpe_codes, sentencepiece_model)
     src_dict = task.source_dictionary
     src = [codec.encode(src_lines[i]) for i in keep]

@@ -238,19 +238,21 @@ def to_ids(system: Dict[int, List[Entry]], d) -> Tuple[Dict[int, List[Tuple[Opti
     return out, unknown, total
 
 
-def add_evidence_args(p: argparse.ArgumentParser) -> None:
-    """The evidence options shared by this tool and the tuner."""
-    p.add_argument("--nbest", nargs="+", required=True, metavar="FILE",
+def add_evidence_args(p: argparse.ArgumentParser, required: bool = True, segmentation: bool = True) -> None:
+    """The evidence options shared by this tool and the calibrator (which has its own segmentation
+    options, for the raw dev source and the evidence alike: `segmentation=False`)."""
+    p.add_argument("--nbest", nargs="+", required=required, metavar="FILE",
                    help="evidence: one file per system (several = system combination)")
     p.add_argument("--format", choices=FORMATS, default="auto",
                    help="fairseq-generate output, Moses n-best, or plain text (auto: by content)")
     p.add_argument("--n", type=int, help="plain text: hypotheses per source (consecutive lines)")
     p.add_argument("--weights", help="comma-separated system weights (default: equal)")
     p.add_argument("--max-order", type=int, default=MAX_ORDER)
-    p.add_argument("--tokenizer", default="none", help="segment raw evidence with fairseq's tokenizer: none, moses")
-    p.add_argument("--bpe", default="none", help="segment raw evidence with fairseq's BPE: none, sentencepiece, ...")
-    p.add_argument("--bpe-codes", help="with --bpe fastbpe / subword_nmt")
-    p.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
+    if segmentation:
+        p.add_argument("--tokenizer", default="none", help="segment raw evidence with fairseq's tokenizer: none, moses")
+        p.add_argument("--bpe", default="none", help="segment raw evidence with fairseq's BPE: sentencepiece, ...")
+        p.add_argument("--bpe-codes", help="with --bpe fastbpe / subword_nmt")
+        p.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
     p.add_argument("--lang", default="en", help="target language for --tokenizer moses")
 
 
