@@ -153,6 +153,22 @@ def pareto(points: List[Tuple[float, float]]) -> List[int]:
     return front
 
 
+def gap_noise(hyps: List[str], base: List[str], refs: List[str], samples: int = 1000, seed: int = 0) -> float:
+    """The paired-bootstrap standard deviation of corpus BLEU(hyps) - BLEU(base) over resampled
+    sentences: the dev set's noise, against which a tolerance is meaningful."""
+    import numpy as np
+    from sacrebleu.metrics import BLEU
+
+    bleu = BLEU()
+    stats = [np.array([bleu._extract_corpus_statistics([h], [[r]])[0] for h, r in zip(x, refs)], dtype=np.int64)
+             for x in (hyps, base)]
+    idx = np.random.default_rng(seed).integers(0, len(refs), size=(samples, len(refs)))
+    totals = [st[idx].sum(axis=1) for st in stats]
+    gaps = [bleu._compute_score_from_stats(a.tolist()).score - bleu._compute_score_from_stats(b.tolist()).score
+            for a, b in zip(*totals)]
+    return float(np.std(gaps))
+
+
 def _span(text: Optional[str], name: str) -> Optional[Tuple[int, int]]:
     if not text:
         return None
@@ -449,10 +465,19 @@ def write_outputs(cal: Calibrator, base: Setting, chosen: Optional[Setting], see
     if chosen is not None:
         marks[chosen] = "**chosen**"
     table = markdown(rows, b, marks)
+    noise = ""
+    sd = None
+    if chosen is not None and chosen.prune is not None:
+        sd = gap_noise(cal.hyps(chosen), cal.hyps(base), cal.dev.refs)
+        noise = (f" The chosen setting's BLEU gap to fixed beam has a paired-bootstrap sd of {sd:.2f} over "
+                 f"the dev sentences" + ("; the tolerance is below it, so more dev sentences would choose more "
+                                        "reliably." if a.tolerance < sd else "."))
     (out / "calibrate.md").write_text(f"Target: dev BLEU >= {target:.2f} (fixed beam {b.bleu:.2f} - {a.tolerance:g}); "
-                                      f"cost: {a.objective}.\n\n{table}\n")
+                                      f"cost: {a.objective}.{noise}\n\n{table}\n")
+    if noise:
+        print(noise.strip(), flush=True)
     (out / "calibrate.json").write_text(json.dumps({
-        "args": vars(a), "target": target, "chosen": asdict(chosen) if chosen else None,
+        "args": vars(a), "target": target, "chosen": asdict(chosen) if chosen else None, "gap_sd": sd,
         "results": [dict(setting=asdict(s), **asdict(o), pareto=i in front) for i, (s, o) in enumerate(rows)],
     }, indent=1, default=str) + "\n")
     plot(out / "pareto.png", rows, front, target, a.objective, cost)

@@ -66,6 +66,14 @@ def test_pareto_front():
     assert sorted(pareto(pts)) == [1, 2]
 
 
+def test_gap_noise_is_zero_for_equal_outputs_and_grows_with_disagreement():
+    refs = [f"the cat {i} sat on the mat" for i in range(40)]
+    base = [f"the cat {i} sat on a mat" for i in range(40)]
+    assert cal_mod.gap_noise(base, base, refs, samples=200) == 0.0
+    mixed = [r if i % 2 else b for i, (r, b) in enumerate(zip(refs, base))]  # half the sentences fixed
+    assert 0.5 < cal_mod.gap_noise(mixed, base, refs, samples=200) < 20
+
+
 def _argv(data, ckpt, out, *extra):
     return ["--data", str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt", "--gen-subset", "test",
             "--post-process", "none", "--beam", "4", "--max-len-b", "30", "--out", str(out), "--quiet", "--cpu",
@@ -84,6 +92,7 @@ def test_calibrate_on_a_trained_model_resumes_and_round_trips(tiny_run, tmp_path
     on_target = [r for r in rows if r["setting"]["prune"] and r["bleu"] >= res["target"]]
     assert chosen["expansions"] == min(r["expansions"] for r in on_target)
     assert any(r["pareto"] for r in rows) and (out / "calibrate.md").read_text().count("**chosen**") == 1
+    assert res["gap_sd"] >= 0 and "paired-bootstrap sd" in (out / "calibrate.md").read_text()
 
     # the options line, through fairseq-generate, prints the dev outputs calibrate scored
     args = (out / "best.args").read_text().split()

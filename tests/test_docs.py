@@ -5,8 +5,8 @@
   fairseq's own option parser with the plugin's --user-dir (streambeam-generate / -interactive lines
   with what they fill in), `python -m fairseq_streambeam.X` lines by that module's parser (and
   streambeam-decode-corpus and streambeam-calibrate lines by their modules'), scripts by their
-  option lists (or the module they forward to); every ../shared path exists. Inline `python -m` modules, scripts/ and configs/
-  paths and links exist.
+  option lists (or the module they forward to); every ../shared path exists. Inline `python -m`
+  modules, scripts/ and configs/ paths and links exist.
 - README blocks not marked `<!-- slow -->` (on the line before the fence) run for real, in order,
   from a copy of the checkout with ../shared beside it: bash blocks in a shell, ```python blocks in
   this process (skipped without ../shared); each decoding command prints hypotheses and logs its
