@@ -75,11 +75,12 @@ class Outcome:
 
 
 def cheapest_pruning(evaluate: Callable[[Prune], Tuple[bool, float]], deltas: Sequence[float], ms: Sequence[int],
-                     zs: Sequence[int]) -> Optional[Prune]:
+                     zs: Sequence[int], start: Optional[Prune] = None) -> Optional[Prune]:
     """The cheapest (delta, M, z) on the grids whose `evaluate` is (on target, cost). Assumes cost
-    and quality grow with each value, as they do for beams that prune less: per M a bisection over
-    delta (at the largest z), an M abandoned once a miss costs more than the best so far; then
-    smaller z; then one-step-narrower neighbours until nothing cheaper is on target."""
+    and quality grow with each value, as they do for beams that prune less: `start` first (when on
+    the grids), then per M a bisection over delta (at the largest z), an M abandoned once a miss
+    costs more than the best so far; then smaller z; then one-step-narrower neighbours until
+    nothing cheaper is on target."""
     deltas, ms, zs = sorted(deltas), sorted(ms), sorted(zs)
     best: List = [None, math.inf]
 
@@ -88,6 +89,9 @@ def cheapest_pruning(evaluate: Callable[[Prune], Tuple[bool, float]], deltas: Se
         if ok and c < best[1]:
             best[:] = [p, c]
         return ok, c
+
+    if start is not None and start[0] in deltas and start[1] in ms and start[2] in zs:
+        consider(start)
 
     for m in ms:
         lo, hi = 0, len(deltas)
@@ -408,13 +412,13 @@ def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting
     if not variable:
         chosen = Setting(weights=weights)
         return base, chosen if seen[chosen].bleu >= target else None, seen
-    run(start)  # the paper's settings, for the table
+    run(start)  # the paper's settings, for the table (and the search's first candidate)
 
     def evaluate(p: Prune) -> Tuple[bool, float]:
         o = run(Setting(p, weights))
         return o.bleu >= target, cost(o)
 
-    prune = cheapest_pruning(evaluate, a.deltas, a.max_cands, a.finish_counts)
+    prune = cheapest_pruning(evaluate, a.deltas, a.max_cands, a.finish_counts, start.prune)
     return base, None if prune is None else Setting(prune, weights), seen
 
 

@@ -43,6 +43,26 @@ def test_cheapest_pruning_finds_the_brute_force_optimum_in_fewer_decodes(need):
     assert len(set(calls)) < len(grid) / 4  # 72 settings
 
 
+def test_a_start_on_target_prunes_the_search():
+    """Narrow M misses at any delta and costs more the wider it gets (as at k = 50): a start on
+    target lets the bisections stop at the first miss that costs more than it."""
+    calls = []
+
+    def evaluate(p):
+        calls.append(p)
+        d, m, z = p
+        return m >= 5 and d >= 1.5, d * m + z / 10
+
+    want = cheapest_pruning(evaluate, DELTAS, MS, ZS)
+    n = len(set(calls))
+    calls.clear()
+    assert cheapest_pruning(evaluate, DELTAS, MS, ZS, start=(1.5, 5, 5)) == want == (1.5, 5, 1)
+    assert len(set(calls)) < n
+    calls.clear()
+    assert cheapest_pruning(evaluate, DELTAS, MS, ZS, start=(1.7, 5, 5)) == want  # off the grid: not used
+    assert (1.7, 5, 5) not in calls
+
+
 def test_cheapest_pruning_returns_none_when_nothing_is_on_target():
     evaluate, calls = _synthetic(100.0)
     assert cheapest_pruning(evaluate, DELTAS, MS, ZS) is None
