@@ -186,6 +186,7 @@ def _span(text: Optional[str], name: str) -> Optional[Tuple[int, int]]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    from .bench.data import add_input_args
     from .scorers.build_posteriors import add_evidence_args
 
     p = argparse.ArgumentParser(prog="streambeam-calibrate", description=__doc__.split("\n\n")[0],
@@ -195,14 +196,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("-s", "--source-lang", required=True)
     p.add_argument("-t", "--target-lang", required=True)
     g = p.add_argument_group("dev set: a data-bin split, or raw source and reference")
-    g.add_argument("--gen-subset", default="valid", help="the data-bin split (its ids key LMBR evidence)")
-    g.add_argument("--src", help="raw source file instead of a split; needs --ref")
-    g.add_argument("--ref", help="raw (detokenized) reference file")
-    g.add_argument("--tokenizer", default="none", help="fairseq tokenizer for --src")
-    g.add_argument("--bpe", default="none", help="fairseq BPE for --src: none, sentencepiece, fastbpe, ...")
-    g.add_argument("--bpe-codes", help="with --bpe fastbpe")
-    g.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
-    g.add_argument("--post-process", default="sentencepiece", help="how a split's tokens are detokenized for BLEU")
+    add_input_args(g, "valid")
     g.add_argument("--range", help="dev lines START:END of the split or files (default: all)")
     g.add_argument("--limit", type=int, default=0, help="an evenly spaced subset of about this many dev lines")
     g.add_argument("--test-range", help="held-out lines START:END: decode them with beam, the paper's and the "
@@ -342,9 +336,13 @@ class Calibrator:
             write_posteriors(path, {i: post[o] for i, o in enumerate(ts.orig_ids) if o in post})
         return str(path)
 
+    def _key(self, s: Setting, ts) -> str:
+        """The cache key of decoding test set `ts` with setting `s`."""
+        return hashlib.sha1(json.dumps([self._fingerprint(ts), asdict(s)], default=str).encode()).hexdigest()
+
     def decode(self, s: Setting, ts=None, name: str = "dev") -> Outcome:
         ts = ts or self.dev
-        key = hashlib.sha1(json.dumps([self._fingerprint(ts), asdict(s)], default=str).encode()).hexdigest()
+        key = self._key(s, ts)
         if key not in self.cache:
             self.cache[key] = self._run(s, ts, name, key)
             with open(self.cache_file, "a") as f:
@@ -353,9 +351,7 @@ class Calibrator:
         return Outcome(**{k: rec[k] for k in ("bleu", "chrf", "expansions", "steps", "seconds")})
 
     def hyps(self, s: Setting, ts=None) -> List[str]:
-        ts = ts or self.dev
-        return self.cache[hashlib.sha1(json.dumps([self._fingerprint(ts), asdict(s)],
-                                                  default=str).encode()).hexdigest()]["hyps"]
+        return self.cache[self._key(s, ts or self.dev)]["hyps"]
 
     def _run(self, s: Setting, ts, name: str, key: str) -> dict:
         import sacrebleu

@@ -4,7 +4,7 @@
 #      (--evidence a.pt,b.pt: one n-best list each = system combination; default: the model itself);
 #      skipped for systems whose list exists, or when --nbest files are given
 #   2. streambeam-calibrate (python -m fairseq_streambeam.calibrate) over the LMBR grids
-# Writes OUT/evidence/*.nbest and the tuner's OUT/tune.md, best.json (bench --config), best.args
+# Writes OUT/evidence/*.nbest and the tuner's OUT/calibrate.md, best.json (bench --config), best.args
 # (fairseq-generate options, e.g. `fairseq-generate ... --lmbr-posteriors P $(cat OUT/best.args)`).
 #   scripts/tune_lmbr.sh --data DATA-BIN --path model.pt -s de -t en --out work/tune
 # Options: --data DIR --path CKPT -s L -t L --dev SPLIT (default valid) --limit N (tuning subset;

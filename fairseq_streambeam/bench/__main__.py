@@ -22,6 +22,7 @@ import torch
 from fairseq import utils
 
 from ..spec import DECODINGS, DecodeSpec
+from .data import add_input_args
 from .variants import BUILTIN, Variant, load_config, parse_methods
 
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
@@ -37,15 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
     p.add_argument("-t", "--target-lang", required=True)
-    p.add_argument("--gen-subset", default="test", help="data-bin split (when --src is not given)")
-    p.add_argument("--src", help="raw source file (instead of a data-bin split); needs --ref")
-    p.add_argument("--ref", help="raw (detokenized) reference file")
-    p.add_argument("--tokenizer", default="none", help="fairseq tokenizer for --src: none, moses, ...")
-    p.add_argument("--bpe", default="none", help="fairseq BPE for --src: none, fastbpe, sentencepiece, ...")
-    p.add_argument("--bpe-codes", help="fastBPE codes (with --bpe fastbpe)")
-    p.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
-    p.add_argument("--post-process", default="sentencepiece",
-                   help="how a data-bin's tokens are detokenized for BLEU (fairseq --post-process)")
+    add_input_args(p, "test")
     p.add_argument("--config", help="JSON with settings and variants (see configs/)")
     p.add_argument("--methods", help=f"comma-separated built-ins: {','.join(BUILTIN)} "
                                      f"(default {DEFAULTS['methods']})")

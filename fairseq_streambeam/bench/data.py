@@ -29,6 +29,20 @@ class CorpusOrder(BaseWrapperDataset):
         return np.arange(len(self), dtype=np.int64)
 
 
+def add_input_args(g, subset: str) -> None:
+    """The options that name a test set, for the bench and calibrate: a data-bin split (default
+    `subset`), or raw source and reference files with fairseq's tokenizer and BPE."""
+    g.add_argument("--gen-subset", default=subset, help="data-bin split (when --src is not given)")
+    g.add_argument("--src", help="raw source file (instead of a data-bin split); needs --ref")
+    g.add_argument("--ref", help="raw (detokenized) reference file")
+    g.add_argument("--tokenizer", default="none", help="fairseq tokenizer for --src: none, moses, ...")
+    g.add_argument("--bpe", default="none", help="fairseq BPE for --src: none, fastbpe, sentencepiece, ...")
+    g.add_argument("--bpe-codes", help="fastBPE codes (with --bpe fastbpe)")
+    g.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
+    g.add_argument("--post-process", default="sentencepiece",
+                   help="how a data-bin's tokens are detokenized for BLEU (fairseq --post-process)")
+
+
 def _every(n: int, limit: int, lines: Optional[Tuple[int, int]] = None) -> List[int]:
     """Indices of an evenly spaced subset of about `limit` items (all when limit is 0), of the
     items `lines` = (start, end) when given."""
