@@ -19,7 +19,7 @@ from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime import block_step
 from fairseq_streambeam.runtime.block_step import BlockDecoder
 from fairseq_streambeam.runtime.kv_cache import KVCache, cat_states, stand_in, without_padding_mask
-from fairseq_streambeam.runtime.lean_layer import Slots, lean_supported
+from fairseq_streambeam.runtime.lean_layer import Slots, SourceGroups, lean_supported
 
 
 def forward_block(decoder, *args, **kwargs):
@@ -211,3 +211,51 @@ def test_merging_a_cache_without_masks_masks_its_padding():
     assert merged["prev_key"].shape == (3, 2, 5, 4)
     assert merged["prev_key_padding_mask"].tolist() == [[False] * 3 + [True] * 2, [False] * 5,
                                                         [False] * 4 + [True]]
+
+
+def test_rows_read_encoder_keys_cached_per_source():
+    """Rows reading their sources' encoder keys through SourceGroups (one cached row per source,
+    sources with 0 to 3 rows, in any grid shape) get the logits of rows with their own copies, over
+    two steps with a reorder between them that moves rows across sources (float64)."""
+    model = random_transformer(D, 12).double()
+    sample = make_sample(D, random_sentences(D, 4, 13, min_len=2, max_len=9))
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    row_src = torch.tensor([0, 0, 2, 2, 2, 3])  # source 1 has no live row
+    per_row = KVCache(model, 4)
+    per_row.prime([model.encoder.reorder_encoder_out(enc, row_src)])
+    per_src = KVCache(model, 4, per_source=True)
+    per_src.prime([enc])
+    block = BlockDecoder(model.decoder)
+    g = torch.Generator().manual_seed(1)
+    for step, parents in enumerate([torch.tensor([1, 0, 4, 4, 3, 5]), None]):
+        tokens = torch.randint(D.nspecial, len(D), (len(row_src), 1), generator=g)
+        positions = torch.full_like(tokens, step)
+        ref = block(tokens, positions, stand_in(model, len(row_src), tokens.device)[0], per_row.states[0], None)
+        groups = SourceGroups.of_rows(row_src, row_src.numpy(), 4)
+        assert groups.width == 3 and groups.pos is not None
+        got = block(tokens, positions, stand_in(model, len(row_src), tokens.device)[0], per_src.states[0], None,
+                    groups=groups)
+        assert torch.allclose(ref, got, atol=1e-10), step
+        if parents is not None:  # rows follow back-pointers within their sources
+            per_row.reorder(parents)
+            per_src.reorder(parents)
+    full = torch.tensor([0, 0, 1, 1])
+    assert SourceGroups.of_rows(full, full.numpy(), 2).pos is None  # a full grid in row order: no copies
+    with pytest.raises(ValueError, match="sorted by source"):
+        SourceGroups.of_rows(torch.tensor([1, 0]), torch.tensor([1, 0]).numpy(), 2)
+
+
+def test_per_source_cache_keeps_encoder_keys_on_reorder_and_drops_sources():
+    model = random_transformer(D, 14).double()
+    sample = make_sample(D, random_sentences(D, 3, 15, min_len=2, max_len=9))
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    cache = KVCache(model, 3, per_source=True)
+    cache.prime([enc])
+    cross = model.decoder.layers[0].encoder_attn
+    keys = cross._get_input_buffer(cache.states[0])["prev_key"]
+    cache.reorder(torch.tensor([0, 0, 1, 2, 2]))
+    assert cross._get_input_buffer(cache.states[0])["prev_key"] is keys  # one row per source still
+    cache.select_sources(torch.tensor([0, 2]))
+    assert torch.equal(cross._get_input_buffer(cache.states[0])["prev_key"], keys[[0, 2]])
+    with pytest.raises(ValueError, match="per-source"):
+        cache.select(torch.tensor([0]))

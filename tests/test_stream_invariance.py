@@ -108,3 +108,19 @@ def test_float32_real_checkpoint_agreement():
         assert gen.scheduler.policy == kw.get("stream_order", "min-length")
         same = sum(a[0]["tokens"].tolist() == b[0]["tokens"].tolist() for a, b in zip(batch, stream))
         assert same >= len(batch) - 1, f"{kw}: float32 agreement {same}/{len(batch)}"
+
+
+@pytest.mark.parametrize("decoding", ["beam", "var-batch", "var-stream"])
+def test_encoder_keys_per_source_equal_per_row_copies(decoding, monkeypatch):
+    """Lean steps read encoder keys cached once per source; fairseq's decoder step reads a copy per
+    row, reordered with the beams. Both give the same output (float64, variable widths move rows
+    across sources every step)."""
+    from fairseq_streambeam.generators import stream_beam
+
+    kw = dict(KW, prune_abs_threshold=1.2, prune_max_cands=3) if decoding != "beam" else KW
+    lean, gen = ours(MODELS, D, SAMPLE, decoding=decoding, **kw)
+    assert gen.lean_steps
+    monkeypatch.setattr(stream_beam, "block_steps", lambda model: False)
+    fairseq_steps, gen = ours(MODELS, D, SAMPLE, decoding=decoding, **kw)
+    assert not gen.lean_steps and not gen.blocks
+    assert_same_hypos(fairseq_steps, lean, atol=1e-9)

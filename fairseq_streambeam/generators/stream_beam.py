@@ -36,6 +36,7 @@ from ..runtime.kv_cache import (
     transformer_decoders,
 )
 from ..runtime.lean_encoder import forward_encoder
+from ..runtime.lean_layer import SourceGroups
 from ..runtime.rows import Rows
 from ..runtime.scheduler import RAGGED, Budget, Scheduler
 from ..scorers.base import ScorerStack
@@ -198,8 +199,14 @@ class StreamBeamGenerator(SequenceGenerator):
             if why:
                 logger.info("--stream-order %s falls back to min-length: %s", policy, why)
                 policy = "min-length"
-        # rows at different steps go through the block step, one decoder call per cohort step
-        self.blocks = [BlockDecoder(m.decoder) for m in self.model.models] if policy in RAGGED else []
+        # rows at different steps go through the block step, one decoder call per cohort step; so
+        # does every step where the lean layers apply, reading encoder keys cached once per source.
+        # Half precision keeps fairseq's decoder step: its products in other shapes round
+        # differently, which moves float16 scores, while float32 only in their last bits
+        blocks = [BlockDecoder(m.decoder) for m in self.model.models] if block_steps(self.model) else []
+        self.lean_steps = (bool(blocks) and all(b.lean for b in blocks) and spec.print_alignment is None
+                           and all(_full_precision(m) for m in self.model.models))
+        self.blocks = blocks if policy in RAGGED or self.lean_steps else []
         self.scheduler = Scheduler(policy, budget or Budget(), spec.refill_eps, spec.max_wait_steps)
         self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
         self.penalties = FairseqPenalties(
@@ -276,8 +283,8 @@ class StreamBeamGenerator(SequenceGenerator):
         if prefix_tokens is not None:
             prefix = prefix_tokens if srcs.is_whole(new) else prefix_tokens.index_select(
                 0, torch.tensor(new, device=device))
-        cache = KVCache(self.model, len(new), enc, self.keep_encoder_out)
-        if ragged:
+        cache = KVCache(self.model, len(new), enc, self.keep_encoder_out, per_source=self.lean_steps)
+        if ragged or self.lean_steps:
             cache.prime(enc)  # the encoder keys are cached: outputs are no longer read
         src_len = np.array([srcs.lengths[i] for i in new])
         sources = SourceState.start(new, [srcs.max_lens[i] for i in new], src_len, device, dtype, ragged, prefix)
@@ -318,8 +325,8 @@ class StreamBeamGenerator(SequenceGenerator):
         penalties), plus the scorers' terms; and the step's attention (alignment only)."""
         t = self._tick()
         step_attn = None
-        if c.ragged:
-            lprobs = self._ragged_lprobs(c, live.tokens, live.src)
+        if self.blocks:
+            lprobs = self._block_lprobs(c, live)
         else:
             lprobs, step_attn = self.model.forward_decoder(live.tokens, c.cache.decoder_inputs(live.src),
                                                            c.cache.states, self.temperature)
@@ -445,17 +452,22 @@ class StreamBeamGenerator(SequenceGenerator):
                                 torch.from_numpy(np.where(stepped, cache_row[par], 0)).to(dev),
                                 torch.from_numpy(stepped).to(dev))
 
-    def _ragged_lprobs(self, c: BeamCohort, tokens_in: Tensor, row_src: Tensor) -> Tensor:
-        """Log-probs [N, V] of the live rows of a ragged cohort, each row's last token at its own
-        position. fairseq's incremental decoder takes one position for the whole batch (the
-        prefix width), so the rows go through `BlockDecoder` as blocks of one token over the
-        cohort's cache; the scores are fairseq's `EnsembleModel.forward_decoder`'s (temperature,
-        normalized log-probs, the ensemble's log-mean-exp)."""
-        positions = c.src.steps_t.index_select(0, row_src).unsqueeze(1)  # type: ignore[union-attr]
-        tokens = tokens_in[:, -1:]
-        top = int(c.src.steps_h.max())
+    def _block_lprobs(self, c: BeamCohort, live: LiveRows) -> Tensor:
+        """Log-probs [N, V] of the live rows through `BlockDecoder`, as blocks of one token over the
+        cohort's cache: rows of a ragged cohort at their own positions (fairseq's incremental
+        decoder takes one position for the whole batch, the prefix width), and with lean layers,
+        every cohort, over encoder keys cached once per source (lean_layer.SourceGroups). The
+        scores are fairseq's `EnsembleModel.forward_decoder`'s (temperature, normalized
+        log-probs, the ensemble's log-mean-exp)."""
+        tokens = live.tokens[:, -1:]
+        if c.ragged:
+            positions = c.src.steps_t.index_select(0, live.src).unsqueeze(1)  # type: ignore[union-attr]
+            top = int(c.src.steps_h.max())
+        else:
+            positions, top = torch.full_like(tokens, c.steps), c.steps
+        groups = SourceGroups.of_rows(live.src, c.cache_src_h, len(c.src)) if c.cache.per_source else None
         encs = stand_in(self.model, tokens.size(0), tokens.device)
-        logits = [block(tokens, positions, enc, state, None, max_position=top)
+        logits = [block(tokens, positions, enc, state, None, max_position=top, groups=groups)
                   for block, state, enc in zip(self.blocks, c.cache.states, encs)]
         return ensemble_lprobs(self.model.models, logits, self.temperature)[:, -1, :]
 
@@ -541,10 +553,22 @@ def _widen(b: Beams, length: int, pad: int) -> Beams:
                  cum=torch.cat([b.cum.new_zeros(b.rows, extra), b.cum], 1), src=b.src, live=b.live, state=b.state)
 
 
+def _full_precision(model) -> bool:
+    """True when `model`'s weights are float32 or float64 (not fairseq-generate --fp16/--bf16)."""
+    p = next(model.parameters(), None)
+    return p is None or p.dtype in (torch.float32, torch.float64)
+
+
+def block_steps(model) -> bool:
+    """True when `BlockDecoder` can step every member's decoder over a cache whose rows differ in
+    length or read encoder keys cached per source."""
+    return transformer_decoders(model) and all(block_decodable(m.decoder) for m in model.models)
+
+
 def _no_ragged_steps(model, lm_model, print_alignment) -> Optional[str]:
     """Why rows of different lengths cannot step together with this model and these options
     (None: they can)."""
-    if not transformer_decoders(model) or not all(block_decodable(m.decoder) for m in model.models):
+    if not block_steps(model):
         return "it needs fairseq transformer decoders with encoder attention (per-row positions)"
     if lm_model is not None:
         return "shallow fusion's language model reads whole prefixes of one length"

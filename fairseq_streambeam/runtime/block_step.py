@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .kv_cache import IncState, cached_length
-from .lean_layer import Slots, lean_layers, lean_supported
+from .lean_layer import Slots, SourceGroups, lean_layers, lean_supported
 
 
 def block_decodable(decoder) -> bool:
@@ -89,7 +89,8 @@ class BlockDecoder:
 
     def __call__(self, tokens: Tensor, positions: Tensor, encoder_out, state: Optional[IncState],
                  block_pad: Optional[Tensor], tail: int = 0, logits_for_tail: bool = False,
-                 max_position: Optional[int] = None, slots: Optional[Slots] = None) -> Tensor:
+                 max_position: Optional[int] = None, slots: Optional[Slots] = None,
+                 groups: Optional[SourceGroups] = None) -> Tensor:
         """Logits [N, m, V] for block `tokens` [N, m] at target positions `positions` [N, m]; appends
         the block to the cache in `state` (None: no cache, as in training). `block_pad` [N, m] marks
         padding inside the block (None: none); the last `tail` slots attend bidirectionally
@@ -97,7 +98,8 @@ class BlockDecoder:
         `max_position`: the largest of `positions` when the caller knows it on the host (saves a
         device-to-host sync per call on GPUs). `slots` (runtime.lean_layer.Slots, the real slots of
         a padded block): compute only those and return their logits packed, [T, V] (not with
-        `logits_for_tail`)."""
+        `logits_for_tail`). `groups` (runtime.lean_layer.SourceGroups, lean layers only): the
+        cached cross-attention keys hold one row per source, read by each source's rows."""
         decoder = self.decoder
         m = tokens.size(1)
         x = decoder.embed_scale * decoder.embed_tokens(tokens)
@@ -120,8 +122,10 @@ class BlockDecoder:
         if slots is not None and logits_for_tail:
             raise ValueError("forward_block: slots and logits_for_tail do not combine")
         if self.lean and not decoder.training:
-            x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots)  # same math, batch-major
+            x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots, groups)  # batch-major
         else:
+            if groups is not None:
+                raise ValueError("forward_block: cross-attention keys cached per source need lean layers")
             x = x.transpose(0, 1)
             for layer in decoder.layers:
                 x, _, _ = layer(x, enc, enc_mask, state, self_attn_mask=mask, self_attn_padding_mask=block_pad)

@@ -35,15 +35,19 @@ class KVCache:
     """Decoder state of a set of rows for `model` (a fairseq EnsembleModel, or one fairseq model).
 
     `encoder_outs` holds one encoder output per member with one row per *source*; rows map to
-    sources through the caller's `row_src`. fairseq's transformer decoder caches its
+    sources through the caller's `row_src`. With `per_source`, so do the cached encoder-attention
+    keys (only lean layers read them that way). fairseq's transformer decoder caches its
     encoder-attention keys in its state at the first step, so it needs the outputs only then
     (`keep_encoder_out=False`: they are dropped by `after_step`); other decoders (LSTM, fconv)
     read them every step.
     """
 
     def __init__(self, model, n_sources: int, encoder_outs: Optional[List[EncOut]] = None,
-                 keep_encoder_out: bool = False):
+                 keep_encoder_out: bool = False, per_source: bool = False):
         self.model = model
+        # encoder-attention keys cached one row per source (`prime`), read by the rows through
+        # lean_layer.SourceGroups: row reorders leave them alone, and sources leave by `select_sources`
+        self.per_source = per_source
         self.decoders = [m.decoder for m in getattr(model, "models", [model])]
         self.states: List[IncState] = [{} for _ in self.decoders]
         self.encoder_outs = encoder_outs
@@ -77,8 +81,16 @@ class KVCache:
             self.encoder_outs = None
 
     def select_sources(self, keep: Tensor) -> None:
-        """Keep only source rows `keep` of the stored encoder outputs (finished sources leave)."""
+        """Keep only source rows `keep` of the stored encoder outputs, and of the encoder-attention
+        keys when they are cached per source (finished sources leave)."""
         self.n_sources = keep.numel()
+        if self.per_source:
+            for dec, state in zip(self.decoders, self.states):
+                for mha in _encoder_attn(dec):
+                    buf = mha._get_input_buffer(state)
+                    if buf:
+                        mha._set_input_buffer(state, {name: None if t is None else t.index_select(0, keep)
+                                                      for name, t in buf.items()})
         if self.encoder_outs is not None:
             self.encoder_outs = self.model.reorder_encoder_out(self.encoder_outs, keep)
 
@@ -89,13 +101,17 @@ class KVCache:
 
         Encoder-attention buffers depend only on a row's source; when every new row i belongs to
         the same source as old row i (`sources_moved=False`, e.g. fixed beams between finishes),
-        their copy is skipped: it is most of the reorder cost for wide beams."""
+        their copy is skipped: it is most of the reorder cost for wide beams. Keys cached per
+        source are never copied here."""
         for dec, state in zip(self.decoders, self.states):
-            _reorder(dec, state, rows, sources_moved)
+            _reorder(dec, state, rows, sources_moved and not self.per_source)
 
     def select(self, rows: Tensor) -> None:
         """Keep rows `rows` (rows leaving a streaming cohort), and the encoder keys some kept row
-        still uses (`trim_encoder`). Keeping no row empties the cache."""
+        still uses (`trim_encoder`). Keeping no row empties the cache. For caches whose rows are
+        their sources (draft-and-verify), so not with keys cached `per_source`."""
+        if self.per_source:
+            raise ValueError("KVCache.select: rows of a per-source cache leave by reorder and select_sources")
         if rows.numel() == 0:
             for state in self.states:
                 state.clear()
@@ -108,7 +124,9 @@ class KVCache:
         """Rows of each cache in turn. Encoder keys are padded to the longest source, and
         self-attention buffers of different lengths to the longest, with masked slots."""
         first = caches[0]
-        out = KVCache(first.model, sum(c.n_sources for c in caches), None, first.keep_encoder_out)
+        if any(c.per_source != first.per_source for c in caches):
+            raise ValueError("KVCache.cat: encoder keys cached per source and per row do not merge")
+        out = KVCache(first.model, sum(c.n_sources for c in caches), None, first.keep_encoder_out, first.per_source)
         out.stepped = all(c.stepped for c in caches)
         out.states = [cat_states([c.states[i] for c in caches]) for i in range(len(first.states))]
         if first.keep_encoder_out:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from fairseq.modules.fairseq_dropout import FairseqDropout
@@ -116,15 +117,57 @@ class Slots:
         return x.new_zeros(self.n * self.m, x.size(-1)).index_copy_(0, self.index, x).view(self.n, self.m, -1)
 
 
+class SourceGroups:
+    """Rows grouped by source, for cross-attention over keys cached once per source: row i (of N,
+    sorted by source, at most `width` rows a source) sits at slot `pos[i]` of an [S, width] grid.
+    Each source's rows then attend over its keys in one batched product, and no key or value is
+    copied per row (beam rows of one source share them; CTranslate2 does the same).
+    `pos` is None when the grid is full and in row order (fixed beams: row i is slot i)."""
+
+    def __init__(self, pos: Optional[Tensor], n_sources: int, width: int):
+        self.pos, self.n_sources, self.width = pos, n_sources, width
+
+    @classmethod
+    def of_rows(cls, row_src: Tensor, row_src_h, n_sources: int) -> SourceGroups:
+        """Groups of rows whose (cohort-local) sources are `row_src` [N] on the device, with the same
+        sources on the host in `row_src_h` (a sorted numpy array): the width and whether the grid is
+        full are read on the host, and the slots computed on the device (no host sync)."""
+        n = len(row_src_h)
+        if n and (row_src_h[1:] < row_src_h[:-1]).any():
+            raise ValueError("SourceGroups: rows must be sorted by source")
+        width = int(np.bincount(row_src_h, minlength=n_sources).max()) if n else 1
+        if n == n_sources * width:
+            return cls(None, n_sources, width)
+        counts = torch.zeros(n_sources, dtype=torch.long, device=row_src.device)
+        counts.scatter_add_(0, row_src, torch.ones_like(row_src))
+        first = torch.cumsum(counts, 0) - counts  # each source's first row
+        rank = torch.arange(n, device=row_src.device) - first.index_select(0, row_src)
+        return cls(row_src * width + rank, n_sources, width)
+
+    def spread(self, x: Tensor) -> Tensor:
+        """Rows [N, m, C] -> [S, width * m, C], zeros at empty slots."""
+        n, m, c = x.shape
+        if self.pos is not None:
+            x = x.new_zeros(self.n_sources * self.width, m, c).index_copy_(0, self.pos, x)
+        return x.reshape(self.n_sources, self.width * m, c)
+
+    def collect(self, x: Tensor, m: int) -> Tensor:
+        """[S, width * m, C] -> rows [N, m, C]."""
+        x = x.reshape(self.n_sources * self.width, m, x.size(-1))
+        return x if self.pos is None else x.index_select(0, self.pos)
+
+
 def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
-                attn_mask: Optional[Tensor], pad_mask: Optional[Tensor], slots: Optional[Slots] = None) -> Tensor:
+                attn_mask: Optional[Tensor], pad_mask: Optional[Tensor], slots: Optional[Slots] = None,
+                groups: Optional[SourceGroups] = None) -> Tensor:
     """The decoder layers on block `x` [N, m, C] (batch-major). `enc` [S, N, C] and `enc_mask`
     [N, S] are read while the cross-attention keys are not cached yet (`enc` None: no encoder
     output, so no cross-attention, as in fairseq); `attn_mask` [m, L] is additive over cache +
     block slots (None: all zeros); `pad_mask` [N, m] marks padding in the block (None: none).
     Without padding in the block or the cache, attention gets no key mask. With `slots`, only the real slots
     are computed and the result is packed [T, C] (the padding's outputs are never read, and its
-    cached keys and values are masked, so they are left zero).
+    cached keys and values are masked, so they are left zero). With `groups`, the cached
+    cross-attention keys hold one row per source, which the rows read through the groups.
 
     Every layer's cache holds the same key padding mask (all cache utilities update them alike),
     so the additive attention masks are built once per block, from the first layer's cache."""
@@ -154,11 +197,13 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
         return masks[kind, heads]
 
     if slots is not None:
+        if groups is not None:
+            raise ValueError("lean_layers: slots and groups do not combine")
         x = slots.pack(x)
     for layer in layers:
         cross = None if layer.encoder_attn is None else additive("cross", layer.encoder_attn.num_heads)
         x = _layer(layer, x, enc, enc_mask, state, key_mask, additive("self", layer.self_attn.num_heads), cross,
-                   slots)
+                   slots, groups)
     return x
 
 
@@ -176,7 +221,8 @@ def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: in
 
 
 def _layer(layer, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
-           key_mask: Tensor, self_add: Tensor, cross_add: Optional[Tensor], slots: Optional[Slots]) -> Tensor:
+           key_mask: Tensor, self_add: Tensor, cross_add: Optional[Tensor], slots: Optional[Slots],
+           groups: Optional[SourceGroups]) -> Tensor:
     pre = layer.normalize_before
     residual = x
     if pre:
@@ -188,7 +234,7 @@ def _layer(layer, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], 
         residual = x
         if pre:
             x = norm(layer.encoder_attn_layer_norm, x)
-        x = residual + _cross_attention(layer.encoder_attn, x, enc, enc_mask, state, cross_add, slots)
+        x = residual + _cross_attention(layer.encoder_attn, x, enc, enc_mask, state, cross_add, slots, groups)
         if not pre:
             x = norm(layer.encoder_attn_layer_norm, x)
     return feed_forward(layer, x)
@@ -246,12 +292,18 @@ def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 
 def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Tensor, enc_mask: Optional[Tensor],
-                     state: Optional[IncState], add: Optional[Tensor], slots: Optional[Slots]) -> Tensor:
-    """Cached encoder keys once the first block has stored them (`enc` is then a stand-in)."""
+                     state: Optional[IncState], add: Optional[Tensor], slots: Optional[Slots],
+                     groups: Optional[SourceGroups] = None) -> Tensor:
+    """Cached encoder keys once the first block has stored them (`enc` is then a stand-in); with
+    `groups`, they are cached per source and each source's rows attend together."""
     q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
     h, d = mha.num_heads, mha.head_dim
     buf = mha._get_input_buffer(state) if state is not None else {}
+    if groups is not None:
+        out = _attend(groups.spread(q), buf["prev_key"], buf["prev_value"], add,  # type: ignore[arg-type]
+                      groups.n_sources, groups.width * m)
+        return linear(mha.out_proj, groups.collect(out, m))
     if buf.get("prev_key") is not None:
         k, v = buf["prev_key"], buf["prev_value"]
     else:
