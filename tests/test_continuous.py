@@ -4,6 +4,7 @@ calls than stepping one cohort of equal lengths at a time."""
 
 import logging
 
+import pytest
 import torch
 from helpers import (
     assert_same_hypos,
@@ -102,13 +103,21 @@ def test_masked_slots_are_cut_off(monkeypatch):
     assert_same_hypos(ref, got, atol=1e-5)
 
 
-def test_prefix_tokens_step_cohorts_of_one_length():
-    """Prefix tokens are forced per cohort step: such a call keeps cohorts of equal lengths."""
+@pytest.mark.parametrize("lean", [True, False])
+def test_prefix_tokens_step_cohorts_of_one_length(lean):
+    """Prefix tokens are forced per cohort step: such a call keeps cohorts of equal lengths, on
+    lean steps and on fairseq's (layers the lean path does not take: a hook on a projection)."""
+    models = MODELS
+    if not lean:
+        models = [random_transformer(D, 31).double(), random_transformer(D, 32, eos_bias=3.0).double()]
+        for m in models:
+            m.decoder.layers[0].fc1.register_forward_pre_hook(lambda module, args: None)
     prefix = torch.tensor([s[:2] if len(s) >= 2 else s + [D.eos()] * (2 - len(s)) for s in
                            [SENTS[i] for i in SAMPLE["id"].tolist()]])
-    ref = ours(MODELS, D, SAMPLE, decoding="var-batch", **KW)[1].generate(MODELS, SAMPLE, prefix_tokens=prefix)
-    gen = ours(MODELS, D, SAMPLE, decoding="var-stream", budget=Budget(3), stream_order="continuous", **KW)[1]
-    assert_same_hypos(ref, gen.generate(MODELS, SAMPLE, prefix_tokens=prefix), atol=1e-5)
+    ref = ours(models, D, SAMPLE, decoding="var-batch", **KW)[1].generate(models, SAMPLE, prefix_tokens=prefix)
+    gen = ours(models, D, SAMPLE, decoding="var-stream", budget=Budget(3), stream_order="continuous", **KW)[1]
+    assert gen.lean_steps == lean and gen.scheduler.policy == "continuous"
+    assert_same_hypos(ref, gen.generate(models, SAMPLE, prefix_tokens=prefix), atol=1e-5)
 
 
 def test_fixed_stream_equals_beam_float32():

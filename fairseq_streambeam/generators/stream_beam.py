@@ -325,7 +325,7 @@ class StreamBeamGenerator(SequenceGenerator):
         penalties), plus the scorers' terms; and the step's attention (alignment only)."""
         t = self._tick()
         step_attn = None
-        if self.blocks:
+        if c.ragged or self.lean_steps:  # caches primed with their encoder keys at admission
             lprobs = self._block_lprobs(c, live)
         else:
             lprobs, step_attn = self.model.forward_decoder(live.tokens, c.cache.decoder_inputs(live.src),
