@@ -131,3 +131,27 @@ def test_enja_toy_matches_fairseq():
     s = make_sample(d_src, sents)
     ref = fairseq_generate(models, d, s, beam_size=5, max_len_b=60)
     assert_same_hypos(ref, ours(models, d, s, beam_size=5, max_len_b=60)[0])
+
+
+@pytest.mark.parametrize("decoding", ["beam", "fixed-stream"])
+def test_nan_log_probs_match_fairseq(decoding):
+    """NaN log-probs in some rows (fairseq turns them into -inf before ranking): the same output."""
+    from test_aggressive import D as D_IAD
+    from test_aggressive import _nan_log_probs
+
+    m = _nan_log_probs(random_transformer(D_IAD, 84, eos_bias=1.0).double(), 7)
+    s = make_sample(D_IAD, random_sentences(D_IAD, 8, 85, max_len=10))
+    kw = dict(beam_size=4, max_len_b=9, min_len=2, unk_penalty=0.5)
+    got, gen = ours([m], D_IAD, s, decoding=decoding, **kw)
+    assert gen.lean_steps
+    assert_same_hypos(fairseq_generate([m], D_IAD, s, **kw), got)
+
+
+def test_nan_becomes_minus_inf_and_infinities_stay():
+    """FairseqPenalties.fix_rows does what fairseq's lprobs[lprobs != lprobs] = -inf does."""
+    from fairseq_streambeam.search.penalties import FairseqPenalties
+
+    inf, nan = float("inf"), float("nan")
+    lp = torch.tensor([[0.5, nan, inf, -inf, -1.0], [nan, nan, 0.0, 3e38, -3e38]], dtype=torch.float64)
+    FairseqPenalties(pad=1, unk=3, eos=2).fix_rows(lp, None)
+    assert lp.tolist() == [[0.5, -inf, inf, -inf, -1.0], [-inf, -inf, 0.0, 3e38, -3e38]]

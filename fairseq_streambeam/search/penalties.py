@@ -58,9 +58,9 @@ class FairseqPenalties:
 
     def fix_rows(self, lprobs: Tensor, at_max_len: Optional[Tensor]) -> None:
         """The adjustments that read and write every entry: NaN -> -inf (fairseq's
-        lprobs[lprobs != lprobs], without a host sync) and, at rows `at_max_len`, -inf everywhere
-        but the EOS column (forced EOS at the maximum length)."""
-        lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
+        lprobs[lprobs != lprobs], in one pass and without a host sync; infinities stay as they are)
+        and, at rows `at_max_len`, -inf everywhere but the EOS column (forced EOS at the maximum length)."""
+        lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         if at_max_len is not None:
             eos_col = lprobs[:, self.eos].clone()
             lprobs.masked_fill_(at_max_len.unsqueeze(1), -math.inf)
