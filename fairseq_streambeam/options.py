@@ -137,6 +137,15 @@ def install_usage_error_hook() -> None:
     sys.excepthook = hook
 
 
+def refuse_id_keyed_files(spec) -> None:
+    """fairseq-interactive numbers its input lines itself, so files keyed by a data-bin split's
+    sentence ids (LMBR posteriors, token masks) would score the wrong sentences."""
+    for flag, value in (("--lmbr-posteriors", spec.lmbr_posteriors), ("--token-masks", spec.token_masks)):
+        if value:
+            raise UsageError(f"{flag} keys sentences by their id in a data-bin split; fairseq-interactive "
+                             "numbers its input lines itself: use fairseq-generate (streambeam-generate)")
+
+
 def check_at_parse_time(parser) -> None:
     """Make `parser` (fairseq's command-line parser, once the task's options are on it) build the
     decoding spec right after parsing and report a bad option as argparse does: one line
@@ -148,7 +157,9 @@ def check_at_parse_time(parser) -> None:
     def parse_and_check(args=None, namespace=None):
         ns, extra = parse(args, namespace)
         try:
-            from_cli(ns, ns)
+            spec = from_cli(ns, ns)
+            if hasattr(ns, "buffer_size"):  # fairseq-interactive's parser (its --buffer-size)
+                refuse_id_keyed_files(spec)
         except UsageError as e:
             parser.exit(2, f"{parser.prog}: error: {e}\n")
         return ns, extra

@@ -83,6 +83,20 @@ def test_fairseq_interactive(tiny_run):
     assert sorted(int(i) for i in re.findall(r"^H-(\d+)\t", r.stdout, re.M)) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("flag", ["--lmbr-posteriors", "--token-masks"])
+def test_fairseq_interactive_refuses_files_keyed_by_sentence_id(tiny_run, tmp_path, flag):
+    """fairseq-interactive numbers its lines itself: id-keyed files would score the wrong sentences."""
+    data, ckpt = tiny_run
+    keyed = tmp_path / "keyed.jsonl"
+    keyed.write_text("")
+    r = _run([str(BIN / "fairseq-interactive"), str(data), "--user-dir", str(REPO / "fairseq_streambeam"),
+              "--task", "streambeam_translation", "--path", str(ckpt), "-s", "src", "-t", "tgt", "--cpu",
+              "--beam", "4", "--decoding", "var-stream", flag, str(keyed)], input="w1 w2\n")
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and flag in errors[0] and "fairseq-generate" in errors[0], r.stderr[-2000:]
+
+
 def test_hub_interface(tiny_run):
     from fairseq.models.transformer import TransformerModel
 
