@@ -6,8 +6,14 @@ checkpoints (torch >= 2.6 loads with weights_only=True, which rejects argparse.N
 """
 
 import argparse
+import logging
 
 import torch
+
+# fairseq adapter: importing fairseq.tasks (which the task below does) runs text_to_speech's
+# logging.basicConfig(INFO) and its "Please install tensorboardX" notice, which decoding never
+# needs; a level on that one logger keeps it off this package's commands' stderr.
+logging.getLogger("fairseq.tasks.text_to_speech").setLevel(logging.WARNING)
 
 torch.serialization.add_safe_globals([argparse.Namespace])
 
