@@ -63,7 +63,32 @@ def _fairseq_command(interactive: bool) -> None:
         from fairseq_cli.interactive import cli_main
     else:
         from fairseq_cli.generate import cli_main
-    cli_main()
+    try:
+        cli_main()
+    except Exception as e:  # noqa: BLE001 (only fairseq's usage failures are turned into one line)
+        message = fairseq_usage_error(e)
+        if message is None:
+            raise
+        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+        sys.exit(2)  # argparse's status for a usage error
+
+
+def fairseq_usage_error(e: BaseException) -> Optional[str]:
+    """One line for a mistake in fairseq's own options, which fairseq reports with a traceback
+    (None: not one of them): a missing data directory, split or checkpoint (FileNotFoundError, or
+    load_checkpoint's OSError "Model file not found"), an option that fairseq asserts on (its
+    messages name the option, e.g. "--path required for generation!"), or a mandatory option
+    left unset (omegaconf's MissingMandatoryValue, e.g. --bpe sentencepiece without
+    --sentencepiece-model)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, FileNotFoundError) or (isinstance(e, OSError) and first.startswith("Model file not found")):
+        return first
+    if isinstance(e, AssertionError) and first.startswith("--"):
+        return first
+    if type(e).__name__ == "MissingMandatoryValue":
+        key = getattr(e, "full_key", None) or first
+        return f"missing value for {key} (e.g. --{str(key).split('.')[-1].replace('_', '-')})"
+    return None
 
 
 def generate() -> None:

@@ -87,3 +87,23 @@ def test_streambeam_decode_corpus(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = (tmp_path / "out" / "output.txt").read_text(encoding="utf-8").splitlines()
     assert len(out) == 3 and out[0] == "Two children are playing in the water.", out
+
+
+def test_fairseq_option_mistakes_are_one_line(tmp_path):
+    """fairseq's own checks (data directory, split, checkpoint, --path, a mandatory BPE option)
+    end in a traceback in fairseq-generate; the plugin's command prints one line, status 2."""
+    m = shared_path("models", "deen-tiny")
+    data, ckpt = str(m / "data-bin"), str(m / "checkpoint_best.pt")
+    base = ["-s", "de", "-t", "en", "--cpu", "--batch-size", "1"]
+    cases = [
+        (["/nonexistent", "--path", ckpt], "No such file or directory"),
+        ([data, "--path", str(tmp_path / "missing.pt")], "Model file not found"),
+        ([data, "--path", ckpt, "--gen-subset", "nosuch"], "Dataset not found: nosuch"),
+        ([data], "--path required"),
+        ([data, "--path", ckpt, "--bpe", "sentencepiece"], "--sentencepiece-model"),
+    ]
+    for args, text in cases:
+        r = run_cli([command("streambeam-generate"), *args, *[a for a in base if a not in args]], cwd=tmp_path)
+        errors = [x for x in r.stderr.splitlines() if "error:" in x]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+        assert len(errors) == 1 and text in errors[0], (args, r.stderr[-2000:])
