@@ -111,14 +111,14 @@ def cheapest_pruning(evaluate: Callable[[Prune], Tuple[bool, float]], deltas: Se
             break
     moved = True
     while moved:
-        d, m, z = start = best[0]
-        for grid, i, value in ((deltas, 0, d), (ms, 1, m), (zs, 2, z)):
-            j = grid.index(value)
+        centre = best[0]
+        for grid, i in ((deltas, 0), (ms, 1), (zs, 2)):
+            j = grid.index(centre[i])
             if j:
-                trial = list(start)
+                trial = list(centre)
                 trial[i] = grid[j - 1]
                 consider(tuple(trial))  # type: ignore[arg-type]
-        moved = best[0] != start
+        moved = best[0] != centre
     return best[0]
 
 
@@ -304,6 +304,7 @@ class Calibrator:
                 rec = json.loads(line)
                 self.cache[rec["key"]] = rec
         self.decoded = 0  # decodes run (not read from the cache)
+        self._lines: Dict[int, tuple] = {}  # id(test set) -> (test set, hash of its lines)
 
     def test_set(self, span: Optional[str], limit: int):
         from .bench import data as bench_data
@@ -322,8 +323,10 @@ class Calibrator:
         """What, besides the setting, decides a decode's outcome: a cached one is reused only if equal."""
         a = self.a
         files = [*a.path.split(":"), *(a.nbest or [])]
-        h = hashlib.sha1(json.dumps([[t.tolist() for t in ts.dataset.src], ts.refs]).encode()).hexdigest()
-        return dict(lines=h, files=[(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
+        if id(ts) not in self._lines:  # hashed once per test set (kept alive beside its hash)
+            text = json.dumps([[t.tolist() for t in ts.dataset.src], ts.refs])
+            self._lines[id(ts)] = (ts, hashlib.sha1(text.encode()).hexdigest())
+        return dict(lines=self._lines[id(ts)][1], files=[(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
                     beam=a.beam, lenpen=a.lenpen, max_len_b=a.max_len_b, batch=[a.batch_size, a.max_tokens],
                     lmbr=[a.lmbr_p, a.lmbr_r, a.weights, a.n, a.format], device="cuda" if self.cuda else "cpu")
 
