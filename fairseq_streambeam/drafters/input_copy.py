@@ -46,7 +46,7 @@ class InputCopyDrafter:
     # ---- the cohort interface (drafters.base.Drafter): one CopyState per row ----
 
     def open(self, srcs, rows: List[int]) -> List[CopyState]:
-        self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+        self.pad, self.device = srcs.pad, srcs.device
         return [self.start(srcs.tokens(i)) for i in rows]
 
     def propose(self, state: List[CopyState], caps: List[int]) -> Tuple[Tensor, List[int]]:

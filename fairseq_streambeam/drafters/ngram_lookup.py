@@ -99,7 +99,7 @@ class LookupDrafter:
         self.table, self.bos, self.eos, self.block_size = table, bos, eos, block_size
 
     def open(self, srcs, rows: List[int]) -> List[List[int]]:
-        self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+        self.pad, self.device = srcs.pad, srcs.device
         return [[] for _ in rows]
 
     def propose(self, state: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:

@@ -17,7 +17,7 @@ class NoDrafter:
     """Drafts nothing: every pass verifies only the row's last token (greedy decoding, one token per pass)."""
 
     def open(self, srcs, rows: List[int]) -> int:
-        self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+        self.pad, self.device = srcs.pad, srcs.device
         return len(rows)  # the state: how many rows
 
     def propose(self, state: int, caps: List[int]) -> Tuple[Tensor, List[int]]:
@@ -44,7 +44,7 @@ class OracleDrafter:
 
     def open(self, srcs, rows: List[int]) -> List[List[int]]:
         """The state: each row's known output not produced yet."""
-        self.pad, self.device = srcs.pad, srcs.net_input["src_tokens"].device
+        self.pad, self.device = srcs.pad, srcs.device
         return [list(self.truth[tuple(srcs.tokens(i))]) for i in rows]
 
     def propose(self, state: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:

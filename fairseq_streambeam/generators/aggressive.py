@@ -140,16 +140,25 @@ class AggressiveGenerator(SequenceGenerator):
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self.pad, self.max_len_a, self.max_len_b, self.max_len, self.min_len,
                                    self.max_source_positions)
-        self.bos = self.eos if bos_token is None else bos_token
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(len(srcs))]
-        prefix = None if prefix_tokens is None else prefix_tokens.tolist()
-        engine = Engine(admit=partial(self._admit, srcs, prefix=prefix),
-                        step=partial(self._pass, results=results, srcs=srcs),
-                        mergeable=lambda a, b: a.steps > 0 and b.steps > 0, merge=self._merge)
-        self.driver.run(engine, srcs.lengths, range(len(srcs)))
+        self.driver.run(self.engine(srcs, results, prefix_tokens, bos_token), srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)
         self.counters.total_seconds += time.perf_counter() - t0
         return results
+
+    @staticmethod
+    def sorted_hypotheses(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
+        return hypos  # one hypothesis per source
+
+    def engine(self, srcs, results, prefix_tokens: Optional[Tensor] = None,
+               bos_token: Optional[int] = None) -> Engine[DraftCohort]:
+        """The driver's engine over sources `srcs` (a Sources, or an online window), writing each
+        window row's hypothesis to `results[row]`."""
+        self.bos = self.eos if bos_token is None else bos_token
+        prefix = None if prefix_tokens is None else prefix_tokens.tolist()
+        return Engine(admit=partial(self._admit, srcs, prefix=prefix), step=partial(self._pass, results=results,
+                                                                                 srcs=srcs),
+                      mergeable=lambda a, b: a.steps > 0 and b.steps > 0, merge=self._merge)
 
     def _admit(self, srcs: Sources, new: List[int], serial: int,
                prefix: Optional[List[List[int]]] = None) -> DraftCohort:
@@ -176,7 +185,7 @@ class AggressiveGenerator(SequenceGenerator):
         (one host copy), accept tokens, roll back and evict. Returns the window rows that finished."""
         timed = g.steps > 0  # a cohort's first pass also caches the encoder keys: not timed
         t = time.perf_counter()
-        block = self._propose(g, srcs.net_input["src_tokens"].device)
+        block = self._propose(g, srcs.device)
         verdict = self._verify(g, block)
         g.cache.after_step()
         g.steps += 1

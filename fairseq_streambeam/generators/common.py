@@ -54,6 +54,10 @@ class Sources:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    @property
+    def device(self) -> torch.device:
+        return self.net_input["src_tokens"].device
+
     def subset_input(self, rows: List[int]) -> dict:
         """Encoder input for window rows `rows`, re-collated without the window's extra padding
         (the whole window is passed through untouched, as fairseq would encode it)."""

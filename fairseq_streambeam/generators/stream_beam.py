@@ -233,36 +233,40 @@ class StreamBeamGenerator(SequenceGenerator):
         srcs = Sources.from_sample(sample, self.pad, self.max_len_a, self.max_len_b, self.max_len, self.min_len,
                                    self.max_source_positions, self.match_source_len)
         n_src, lengths = len(srcs), srcs.lengths
-        device = srcs.net_input["src_tokens"].device
-        bos = self.eos if bos_token is None else bos_token
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]
-        if self.scorer is not None:
-            self.scorer.reset()
-
-        # continuous order: one cohort of sources at different steps; prefix tokens are forced per
-        # step of a whole cohort, so a call with them steps cohorts of one length (shortest first)
-        ragged = self.scheduler.policy in RAGGED and prefix_tokens is None
+        engine = self.engine(srcs, results, prefix_tokens, bos_token)
         # streaming admits sources by length: shortest first, cohorts (and their merges) pad little;
         # longest first, long outputs start early and the window's last steps are fuller. Batch
         # modes keep fairseq's batch as it is. Output is per window row either way.
         order = list(range(n_src))
         if self.spec.kind.streaming:
             order.sort(key=lengths.__getitem__, reverse=self.spec.stream_admit == "longest-first")
-        engine = Engine(
-            admit=partial(self._admit, srcs, prefix_tokens=prefix_tokens, bos=bos, device=device, ragged=ragged),
-            step=partial(self._step, results=results),
-            mergeable=lambda a, b: self.mergeable and a.steps == b.steps,
-            merge=partial(BeamCohort.merge, pad=self.pad),
-            joins_live=ragged,
-        )
         self.driver.run(engine, lengths, order)
 
-        out = [self._sorted(r) for r in results]
+        out = [self.sorted_hypotheses(r) for r in results]
         if self.print_alignment:
             alignment.add_alignments(out, srcs.net_input["src_tokens"], self.pad, self.eos, self.print_alignment)
         self.counters.sentences += n_src
         self.counters.total_seconds += time.perf_counter() - t0
         return out
+
+    def engine(self, srcs, results, prefix_tokens: Optional[Tensor] = None,
+               bos_token: Optional[int] = None) -> Engine[BeamCohort]:
+        """The driver's engine over sources `srcs` (a Sources, or an online window), writing each
+        window row's hypotheses to `results[row]` (a list per row)."""
+        if self.scorer is not None:
+            self.scorer.reset()
+        # continuous order: one cohort of sources at different steps; prefix tokens are forced per
+        # step of a whole cohort, so a call with them steps cohorts of one length (shortest first)
+        ragged = self.scheduler.policy in RAGGED and prefix_tokens is None
+        bos = self.eos if bos_token is None else bos_token
+        return Engine(
+            admit=partial(self._admit, srcs, prefix_tokens=prefix_tokens, bos=bos, device=srcs.device, ragged=ragged),
+            step=partial(self._step, results=results),
+            mergeable=lambda a, b: self.mergeable and a.steps == b.steps,
+            merge=partial(BeamCohort.merge, pad=self.pad),
+            joins_live=ragged,
+        )
 
     # ---------------------------------------------------------------------------------------
 
@@ -528,7 +532,7 @@ class StreamBeamGenerator(SequenceGenerator):
                     attn[j, :n], int(s.enc_start[src]), int(s.src_len[src]), c.sample_width, c.left_pad))
 
     @staticmethod
-    def _sorted(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
+    def sorted_hypotheses(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
         # the same sort as fairseq's SequenceGenerator, so ties break the same way
         scores = torch.tensor([float(h["score"].item()) for h in hypos])
         _, order = torch.sort(scores, descending=True)

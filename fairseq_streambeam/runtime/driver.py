@@ -9,9 +9,9 @@ speed, never output: every source evolves independently of the others.
 
 from __future__ import annotations
 
-import itertools
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Generic, List, Sequence, TypeVar
+from typing import Callable, Deque, Dict, Generic, Iterable, Iterator, List, Sequence, TypeVar, Union
 
 from .scheduler import Cohort, Scheduler
 
@@ -32,6 +32,32 @@ class Engine(Generic[G]):
     joins_live: bool = False
 
 
+class Feed:
+    """Sources waiting to enter, in admission order (window rows), and every row's length in
+    tokens. Offline, the window's rows are all known at the start; online (generators/online.py)
+    rows are pushed while the run goes on, and dropped if their request goes away first."""
+
+    def __init__(self, lengths: Union[Sequence[int], Dict[int, int]], order: Iterable[int] = ()):
+        self.lengths = lengths
+        self.waiting: Deque[int] = deque(order)
+
+    def push(self, row: int) -> None:
+        self.waiting.append(row)
+
+    def drop(self, rows: Iterable[int]) -> List[int]:
+        """Remove waiting rows `rows`; returns those that were still waiting."""
+        gone = set(rows) & set(self.waiting)
+        if gone:
+            self.waiting = deque(r for r in self.waiting if r not in gone)
+        return sorted(gone)
+
+    def pending(self) -> Iterator[int]:
+        return (self.lengths[i] for i in self.waiting)
+
+    def take(self, n: int) -> List[int]:
+        return [self.waiting.popleft() for _ in range(n)]
+
+
 class Driver:
     """Runs engines under one scheduler. `width`: running estimate of candidates per live source,
     for candidate budgets; it carries over from one window to the next."""
@@ -42,40 +68,68 @@ class Driver:
 
     def run(self, engine: Engine[G], lengths: Sequence[int], order: Sequence[int]) -> None:
         """Decode the window's sources (`lengths`: tokens per window row) admitted in `order`."""
-        sched = self.scheduler
-        cohorts: List[G] = []
-        next_src, live_tokens = 0, 0
-        while next_src < len(order) or cohorts:
-            live = sum(g.n_sources for g in cohorts)
-            cands = sum(g.n_candidates for g in cohorts)
-            if live:
-                self.width = 0.9 * self.width + 0.1 * (cands / live)
-            # a new cohort steps before more sources come (unless they join the live cohort at once)
-            waiting = not engine.joins_live and any(g.steps == 0 for g in cohorts)
-            if next_src < len(order) and not waiting and sched.should_refill(live, live_tokens, cands):
-                pending = (lengths[i] for i in itertools.islice(order, next_src, None))
-                take = sched.admit(live, live_tokens, pending, cands, self.width)
-                if take:
-                    rows = list(order[next_src: next_src + take])
-                    next_src += take
-                    live_tokens += sum(lengths[i] for i in rows)
-                    new = engine.admit(rows, next_src)
-                    if engine.joins_live and cohorts:
-                        cohorts[0] = engine.merge(cohorts[0], new)
-                    else:
-                        cohorts.append(new)
-            i = sched.pick(cohorts)
-            g = cohorts[i]
-            for other in cohorts:
-                other.waited += 1
-            g.waited = 0
-            done = engine.step(g)
-            live_tokens -= sum(lengths[j] for j in done)
-            if not g.n_sources:
-                cohorts.pop(i)
-                continue
-            for j, other in enumerate(cohorts):
-                if other is not g and engine.mergeable(other, g):
-                    cohorts[j] = engine.merge(other, g)
-                    cohorts.remove(g)
-                    break
+        run = Run(self, engine, Feed(lengths, order))
+        while run.busy:
+            run.step()
+
+
+class Run(Generic[G]):
+    """One engine's cohorts and feed under a driver, advanced one cohort step at a time."""
+
+    def __init__(self, driver: Driver, engine: Engine[G], feed: Feed):
+        self.driver, self.engine, self.feed = driver, engine, feed
+        self.cohorts: List[G] = []
+        self.admitted = 0  # admission serial
+        self.live_tokens = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.cohorts or self.feed.waiting)
+
+    @property
+    def live_sources(self) -> int:
+        return sum(g.n_sources for g in self.cohorts)
+
+    @property
+    def live_candidates(self) -> int:
+        return sum(g.n_candidates for g in self.cohorts)
+
+    def step(self) -> List[int]:
+        """Admit new sources if the scheduler refills now, then step one cohort; returns the window
+        rows that finished."""
+        d, engine, sched, feed = self.driver, self.engine, self.driver.scheduler, self.feed
+        cohorts = self.cohorts
+        live, cands = self.live_sources, self.live_candidates
+        if live:
+            d.width = 0.9 * d.width + 0.1 * (cands / live)
+        # a new cohort steps before more sources come (unless they join the live cohort at once)
+        waiting = not engine.joins_live and any(g.steps == 0 for g in cohorts)
+        if feed.waiting and not waiting and sched.should_refill(live, self.live_tokens, cands):
+            take = sched.admit(live, self.live_tokens, feed.pending(), cands, d.width)
+            if take:
+                rows = feed.take(take)
+                self.admitted += take
+                self.live_tokens += sum(feed.lengths[i] for i in rows)
+                new = engine.admit(rows, self.admitted)
+                if engine.joins_live and cohorts:
+                    cohorts[0] = engine.merge(cohorts[0], new)
+                else:
+                    cohorts.append(new)
+        if not cohorts:
+            return []
+        i = sched.pick(cohorts)
+        g = cohorts[i]
+        for other in cohorts:
+            other.waited += 1
+        g.waited = 0
+        done = engine.step(g)
+        self.live_tokens -= sum(feed.lengths[j] for j in done)
+        if not g.n_sources:
+            cohorts.pop(i)
+            return done
+        for j, other in enumerate(cohorts):
+            if other is not g and engine.mergeable(other, g):
+                cohorts[j] = engine.merge(other, g)
+                cohorts.remove(g)
+                break
+        return done
