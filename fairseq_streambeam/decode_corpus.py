@@ -21,19 +21,16 @@ all shards done merges (merging is idempotent).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import enum
 import hashlib
 import json
 import os
 import sys
 import time
-import typing
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .options import plugin_fields
-from .spec import DECODINGS, UsageError, check_files, flag, from_cli, is_checkpoint_file
+from .frontend import add_generation_options, add_model_options, add_task_options, check_model_options, load_model
+from .spec import UsageError
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
@@ -42,16 +39,12 @@ _ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accep
              "model_seconds", "draft_seconds", "total_seconds", "source_positions", "padded_positions")
 
 
-# decode_corpus's own default and choices for the task's --decoding: streaming by default, and not
-# `fairseq` (fairseq's stock generator keeps no counters for the shard records)
-DECODING_DEFAULT = "var-stream"
-DECODING_CHOICES = tuple(d for d in DECODINGS if d != "fairseq")
-
-
-# fairseq-generate's generation options that the plugin's decodings take, with fairseq's defaults
-# and help (--prefix-size needs reference targets, which a raw corpus does not have)
-GENERATION_OPTIONS = ("beam", "nbest", "lenpen", "unkpen", "max_len_a", "max_len_b", "min_len", "temperature",
-                      "unnormalized", "no_repeat_ngram_size", "match_source_len")
+def check_args(args) -> None:
+    """frontend.check_model_options, this command's own counts, and that the inputs exist."""
+    check_model_options(args, ("shard_lines", "batch_size", "max_tokens", "threads"))
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise UsageError(f"--input {path}: no such file")
 
 
 def parse_args(argv=None):
@@ -61,20 +54,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="raw text file(s), read as one stream of lines")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--data", required=True, help="directory with the model's dictionaries")
-    p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
-    p.add_argument("-s", "--source-lang", required=True)
-    p.add_argument("-t", "--target-lang", required=True)
-    p.add_argument("--tokenizer", default="none", choices=["none", *_registered("tokenizer")])
-    p.add_argument("--bpe", default="none", choices=["none", *_registered("bpe")])
-    p.add_argument("--bpe-codes")
-    p.add_argument("--sentencepiece-model")
+    add_model_options(p)
     p.add_argument("--shard-lines", type=int, default=100_000)
-    p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even when present")
-    p.add_argument("--fp16", action="store_true", help="half-precision models (on CUDA); scores stay float32")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_generation_options(p.add_argument_group("fairseq-generate's generation options (--nbest N writes the N "
                                                 "best of a line on that line, tab-separated)"))
@@ -85,72 +67,6 @@ def parse_args(argv=None):
     except UsageError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     return args
-
-
-def _registered(kind: str) -> List[str]:
-    """fairseq's registered tokenizers or BPEs."""
-    import fairseq.data.encoders  # noqa: F401  (registers them)
-    from fairseq import registry
-
-    return sorted(registry.REGISTRIES[kind]["registry"])
-
-
-def check_args(args) -> None:
-    """Every check that needs no model: the decoding spec (spec.from_cli), the files it names,
-    this command's own ranges, and that the inputs, dictionaries and checkpoints exist."""
-    check_files(from_cli(args, args))
-    for name in ("shard_lines", "batch_size", "max_tokens", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for path in args.input:
-        if not os.path.isfile(path):
-            raise UsageError(f"--input {path}: no such file")
-    for lang in (args.source_lang, args.target_lang):
-        if not os.path.isfile(os.path.join(args.data, f"dict.{lang}.txt")):
-            raise UsageError(f"--data {args.data}: no dict.{lang}.txt there")
-    for path in args.path.split(":"):
-        if not os.path.isfile(path) or not is_checkpoint_file(path):
-            raise UsageError(f"--path {path}: no such checkpoint")
-    if args.bpe == "sentencepiece" and not args.sentencepiece_model:
-        raise UsageError("--bpe sentencepiece needs --sentencepiece-model")
-    for name in ("sentencepiece_model", "bpe_codes"):
-        path = getattr(args, name)
-        if path and not os.path.isfile(path):
-            raise UsageError(f"--{name.replace('_', '-')} {path}: no such file")
-
-
-def add_generation_options(p) -> None:
-    """fairseq's GenerationConfig fields in GENERATION_OPTIONS, with its types, defaults and help."""
-    from fairseq.dataclass.configs import GenerationConfig
-
-    fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
-    for name in GENERATION_OPTIONS:
-        f = fields[name]
-        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
-        if f.type is bool:
-            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=help_text)
-        else:
-            p.add_argument("--" + name.replace("_", "-"), type=f.type, default=f.default, help=help_text)
-
-
-def add_task_options(p) -> None:
-    """Every option the plugin adds to its task (options.plugin_fields), with the task's types,
-    defaults and help: the task's dataclass is the one list, so the two cannot drift apart."""
-    for f in plugin_fields():
-        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
-        kind, default = f.type, f.default
-        if f.name == "decoding":
-            p.add_argument(flag(f.name), default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
-        elif isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum
-            p.add_argument(flag(f.name), default=default, choices=[str(c.value) for c in kind], help=help_text)
-        elif kind is bool:
-            p.add_argument(flag(f.name), action="store_true", default=default, help=help_text)
-        else:
-            inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-            if len(inner) != 1 or inner[0] not in (int, float, str):
-                raise TypeError(f"decode_corpus cannot expose task option {f.name} of type {kind}")
-            p.add_argument(flag(f.name), type=inner[0], default=default, help=help_text)
 
 
 # ---- input and bookkeeping (no model) ----------------------------------------------------------
@@ -279,15 +195,8 @@ class ShardDecoder:
     def __init__(self, args):
         import torch
 
-        from .loader import load_models, load_task
-        from .textio import TextCodec
-
-        torch.set_num_threads(args.threads)
-        self.task = load_task(args.data, args.source_lang, args.target_lang,
-                              **{f.name: getattr(args, f.name) for f in plugin_fields()})
-        self.codec = TextCodec(self.task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
-        self.cuda = torch.cuda.is_available() and not args.cpu
-        self.models = load_models(self.task, args.path, self.cuda, args.fp16 and self.cuda)
+        m = load_model(args, torch.cuda.is_available() and not args.cpu)
+        self.task, self.codec, self.models, self.cuda = m.task, m.codec, m.models, m.cuda
         self.args = args
         self.max_src = min(m.max_positions()[0] for m in self.models)
         self.gen = None  # built once, at the first shard (batching sets the live budget first)

@@ -1,0 +1,129 @@
+"""The options of the plugin's own front ends (decode_corpus, serve): the model and its text
+processing, fairseq-generate's generation options and the task's decoding options, parsed by one
+parser and checked before any model loads, so that a usage mistake is one line and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import typing
+from typing import List
+
+from .options import plugin_fields
+from .spec import DECODINGS, UsageError, check_files, flag, from_cli, is_checkpoint_file
+
+# the front ends' default and choices for the task's --decoding: streaming by default, and not
+# `fairseq` (fairseq's stock generator keeps no counters and has no online loop)
+DECODING_DEFAULT = "var-stream"
+DECODING_CHOICES = tuple(d for d in DECODINGS if d != "fairseq")
+
+# fairseq-generate's generation options that the plugin's decodings take, with fairseq's defaults
+# and help (--prefix-size needs reference targets, which raw text does not have)
+GENERATION_OPTIONS = ("beam", "nbest", "lenpen", "unkpen", "max_len_a", "max_len_b", "min_len", "temperature",
+                      "unnormalized", "no_repeat_ngram_size", "match_source_len")
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model, its dictionaries and text processing, the live budget, threads and precision
+    (the decoding options: add_generation_options and add_task_options)."""
+    p.add_argument("--data", required=True, help="directory with the model's dictionaries")
+    p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
+    p.add_argument("-s", "--source-lang", required=True)
+    p.add_argument("-t", "--target-lang", required=True)
+    p.add_argument("--tokenizer", default="none", choices=["none", *_registered("tokenizer")])
+    p.add_argument("--bpe", default="none", choices=["none", *_registered("bpe")])
+    p.add_argument("--bpe-codes")
+    p.add_argument("--sentencepiece-model")
+    p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--fp16", action="store_true", help="half-precision models (on CUDA); scores stay float32")
+
+
+def check_model_options(args: argparse.Namespace, positive=("batch_size", "max_tokens", "threads")) -> None:
+    """Every check that needs no model: the decoding spec (spec.from_cli), the files it names, the
+    `positive` counts, and that the dictionaries, checkpoints and BPE files exist."""
+    check_files(from_cli(args, args))
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for lang in (args.source_lang, args.target_lang):
+        if not os.path.isfile(os.path.join(args.data, f"dict.{lang}.txt")):
+            raise UsageError(f"--data {args.data}: no dict.{lang}.txt there")
+    for path in args.path.split(":"):
+        if not os.path.isfile(path) or not is_checkpoint_file(path):
+            raise UsageError(f"--path {path}: no such checkpoint")
+    if args.bpe == "sentencepiece" and not args.sentencepiece_model:
+        raise UsageError("--bpe sentencepiece needs --sentencepiece-model")
+    for name in ("sentencepiece_model", "bpe_codes"):
+        path = getattr(args, name)
+        if path and not os.path.isfile(path):
+            raise UsageError(f"--{name.replace('_', '-')} {path}: no such file")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    task: typing.Any  # the plugin's task (task.StreamBeamTranslationTask)
+    codec: typing.Any  # raw text <-> ids (textio.TextCodec)
+    models: list
+    cuda: bool
+
+
+def load_model(args: argparse.Namespace, cuda: bool) -> LoadedModel:
+    """The task with the plugin's options of `args`, its text codec and the checkpoints (checked
+    options: check_model_options), on CUDA if `cuda`, in half precision if --fp16 there."""
+    import torch
+
+    from .loader import load_models, load_task
+    from .textio import TextCodec
+
+    torch.set_num_threads(args.threads)
+    task = load_task(args.data, args.source_lang, args.target_lang,
+                     **{f.name: getattr(args, f.name) for f in plugin_fields()})
+    codec = TextCodec(task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
+    return LoadedModel(task, codec, load_models(task, args.path, cuda, args.fp16 and cuda), cuda)
+
+
+def _registered(kind: str) -> List[str]:
+    """fairseq's registered tokenizers or BPEs."""
+    import fairseq.data.encoders  # noqa: F401  (registers them)
+    from fairseq import registry
+
+    return sorted(registry.REGISTRIES[kind]["registry"])
+
+def add_generation_options(p) -> None:
+    """fairseq's GenerationConfig fields in GENERATION_OPTIONS, with its types, defaults and help."""
+    from fairseq.dataclass.configs import GenerationConfig
+
+    fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
+    for name in GENERATION_OPTIONS:
+        f = fields[name]
+        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
+        if f.type is bool:
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=help_text)
+        else:
+            p.add_argument("--" + name.replace("_", "-"), type=f.type, default=f.default, help=help_text)
+
+
+def add_task_options(p) -> None:
+    """Every option the plugin adds to its task (options.plugin_fields), with the task's types,
+    defaults and help: the task's dataclass is the one list, so the two cannot drift apart."""
+    for f in plugin_fields():
+        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
+        kind, default = f.type, f.default
+        if f.name == "decoding":
+            p.add_argument(flag(f.name), default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum
+            p.add_argument(flag(f.name), default=default, choices=[str(c.value) for c in kind], help=help_text)
+        elif kind is bool:
+            p.add_argument(flag(f.name), action="store_true", default=default, help=help_text)
+        else:
+            inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            if len(inner) != 1 or inner[0] not in (int, float, str):
+                raise TypeError(f"front ends cannot expose task option {f.name} of type {kind}")
+            p.add_argument(flag(f.name), type=inner[0], default=default, help=help_text)
+
+
