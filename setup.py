@@ -17,6 +17,8 @@ INSTALL_REQUIRES = [
 ]
 # plots, and CTranslate2 as a reference decoder in the benchmark
 BENCH = ["matplotlib>=3.8", "ctranslate2>=4.5"]
+# the translation server (serve.py) and its load generator (bench/load.py)
+SERVE = ["aiohttp>=3.9"]
 # WMT'19 models: Moses tokenization, and requests for fairseq's hub download (file_utils.get_from_cache)
 WMT19 = ["sacremoses>=0.1", "requests>=2.31"]
 
@@ -36,11 +38,13 @@ setup(
             "streambeam-interactive = fairseq_streambeam.cli:interactive",
             "streambeam-decode-corpus = fairseq_streambeam.cli:decode_corpus",
             "streambeam-calibrate = fairseq_streambeam.cli:calibrate",
+            "streambeam-serve = fairseq_streambeam.cli:serve",
         ],
     },
     extras_require={
-        "bench": BENCH,
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", *BENCH, *WMT19],
+        "bench": [*BENCH, *SERVE],
+        "serve": SERVE,
+        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", *BENCH, *SERVE, *WMT19],
         # fastBPE, which the WMT'19 models also need, must be built by hand (see README):
         #   pip install cython setuptools wheel && pip install --no-build-isolation fastBPE==0.1.0
         "wmt19": WMT19,

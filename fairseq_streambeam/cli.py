@@ -1,7 +1,7 @@
 """Console commands: `streambeam-generate` and `streambeam-interactive` are fairseq-generate and
 fairseq-interactive with this plugin's `--user-dir` and `--task streambeam_translation` filled in;
-`streambeam-decode-corpus` and `streambeam-calibrate` are `python -m fairseq_streambeam.decode_corpus`
-and `python -m fairseq_streambeam.calibrate`.
+`streambeam-decode-corpus`, `streambeam-calibrate` and `streambeam-serve` are `python -m` of
+fairseq_streambeam.decode_corpus, .calibrate and .serve.
 
 A relative `--user-dir fairseq_streambeam` resolves against the working directory, so it works only
 from the checkout root; these commands pass the installed package's absolute path instead, and so
@@ -112,5 +112,12 @@ def decode_corpus(argv: Optional[List[str]] = None) -> int:
 def calibrate(argv: Optional[List[str]] = None) -> int:
     """`streambeam-calibrate`: pruning and LMBR settings from a dev set (imported when run)."""
     from fairseq_streambeam.calibrate import main
+
+    return main(argv)
+
+
+def serve(argv: Optional[List[str]] = None) -> int:
+    """`streambeam-serve`: the translation server (imported when run)."""
+    from fairseq_streambeam.serve import main
 
     return main(argv)

@@ -81,9 +81,10 @@ class StreamBeamTranslationTask(TranslationTask):
             return gen
         return self.generator_for(models, spec, lm_model=lm_model)
 
-    def generator_for(self, models, spec: DecodeSpec, drafter=None, lm_model=None):
+    def generator_for(self, models, spec: DecodeSpec, drafter=None, lm_model=None, report_at_exit: bool = True):
         """The plugin's generator for `spec` (its decoding's family), with the drafter and scorers
-        its options name; `drafter` replaces the one they name. Batching follows `spec` from now on."""
+        its options name; `drafter` replaces the one they name. Batching follows `spec` from now on.
+        `report_at_exit`: log the generator's counters when the process ends."""
         check_files(spec)
         self.spec = spec
         d = self.target_dictionary
@@ -91,7 +92,8 @@ class StreamBeamTranslationTask(TranslationTask):
             gen = AggressiveGenerator(models, d, spec, drafter or self._drafter(spec, models[0]), self.budget)
         else:
             gen = StreamBeamGenerator(models, d, spec, self._scorers(spec, len(models)), self.budget, lm_model)
-        _report_at_exit(gen, spec.decoding)
+        if report_at_exit:
+            _report_at_exit(gen, spec.decoding)
         return gen
 
     def _drafter(self, spec: DecodeSpec, model):

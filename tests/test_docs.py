@@ -4,7 +4,7 @@
   accepts its options, spelled out: fairseq-generate / fairseq-interactive lines are parsed by
   fairseq's own option parser with the plugin's --user-dir (streambeam-generate / -interactive lines
   with what they fill in), `python -m fairseq_streambeam.X` lines by that module's parser (and
-  streambeam-decode-corpus and streambeam-calibrate lines by their modules'), scripts by their
+  streambeam-decode-corpus, streambeam-calibrate and streambeam-serve lines by their modules'), scripts by their
   option lists (or the module they forward to); every ../shared path exists. Inline `python -m`
   modules, scripts/ and configs/ paths and links exist.
 - README blocks not marked `<!-- slow -->` (on the line before the fence) run for real, in order,
@@ -62,6 +62,7 @@ PLAIN_PROGRAMS = {"echo", "head", "cat", "mkdir", "cut", "wc"}
 # console scripts (setup.py): fairseq's commands with the plugin filled in, and the modules they run
 FAIRSEQ_COMMANDS = {"fairseq-generate", "fairseq-interactive", "streambeam-generate", "streambeam-interactive"}
 MODULE_COMMANDS = {"streambeam-decode-corpus": "fairseq_streambeam.decode_corpus",
+                   "streambeam-serve": "fairseq_streambeam.serve",
                    "streambeam-calibrate": "fairseq_streambeam.calibrate"}
 
 

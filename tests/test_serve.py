@@ -1,0 +1,241 @@
+"""The translation server (serve.py), run as `streambeam-serve` on a free port and driven over HTTP:
+answers equal offline decoding (decode_corpus's decoder, same options) for concurrent clients and
+per-request options; every bad input is refused with its status and one line, and the server keeps
+serving; a client that goes away frees its place; SIGTERM answers every accepted request, then exits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from typing import List, Optional
+
+import pytest
+from helpers import BIN, shared_path
+
+aiohttp = pytest.importorskip("aiohttp")
+
+LINES = 24
+
+
+def _model_args() -> List[str]:
+    m = shared_path("models", "deen-tiny")
+    return ["--data", str(m / "data-bin"), "--path", str(m / "checkpoint_best.pt"), "-s", "de", "-t", "en",
+            "--bpe", "sentencepiece", "--sentencepiece-model", str(m / "spm8k.model"), "--beam", "4"]
+
+
+def _sources() -> List[str]:
+    path = shared_path("data", "wmt", "de-en", "newstest2017.de")
+    return path.read_text(encoding="utf-8").splitlines()[:LINES]
+
+
+class Served:
+    def __init__(self, *extra: str):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([str(BIN / "streambeam-serve"), *_model_args(), "--port", "0", "--device", "cpu",
+                                      *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.out: List[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited: " + self.proc.stderr.read()[-3000:])
+            self.out.append(line)
+            m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.url = f"http://127.0.0.1:{m.group(1)}"
+                return
+        raise RuntimeError("server did not start")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self.out += self.proc.stdout.read().splitlines(keepends=True)
+        return rc
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Served("--batch-size", "4", "--max-queue", "10", "--max-sentences-per-request", "12", "--max-beam", "4",
+               "--max-lanes", "2", "--max-request-bytes", "4096", "--max-tokens-per-sentence", "100")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """decode_corpus's decoder over the same sources: {beam 4 best, beam 2 2-best lines}."""
+    from fairseq_streambeam.decode_corpus import ShardDecoder, parse_args
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    raw = [s.encode() for s in _sources()]
+    base = ["--input", __file__, "--output-dir", "unused", *_model_args(), "--cpu"]
+    best = ShardDecoder(parse_args(base)).decode(raw, Bar())[0]
+    two = ShardDecoder(parse_args(base + ["--beam", "2", "--nbest", "2"])).decode(raw, Bar())[0]
+    return best, [line.split("\t") for line in two]
+
+
+async def _post(session, url: str, body, retry_429: bool = True):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    while True:
+        async with session.post(url + "/translate", data=data) as r:
+            payload = await r.json()
+            if r.status == 429 and retry_429:
+                assert r.headers["Retry-After"] == "1"
+                await asyncio.sleep(0.05)
+                continue
+            return r.status, payload
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_clients_get_offline_output(server, offline):
+    """8 clients, one sentence per request (refusals are retried): every answer equals offline
+    decoding."""
+    sources, best = _sources(), offline[0]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            todo = list(range(LINES))
+            got = {}
+
+            async def client():
+                while todo:
+                    i = todo.pop(0)
+                    status, payload = await _post(s, server.url, {"text": sources[i]})
+                    assert status == 200, payload
+                    got[i] = payload["translations"][0]["text"]
+
+            await asyncio.gather(*[client() for _ in range(8)])
+            return got
+
+    got = _run(go())
+    assert [got[i] for i in range(LINES)] == best
+
+
+def test_request_options_and_lists(server, offline):
+    """A list of sentences in one request, with its own beam and nbest (a second lane), equals
+    offline decoding with those options; the server's own options still hold beside it."""
+    sources, two = _sources(), offline[1]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(
+                _post(s, server.url, {"text": sources[:5], "beam": 2, "nbest": 2}),
+                _post(s, server.url, {"text": sources[5:8]}))
+
+    (st1, p1), (st2, p2) = _run(go())
+    assert st1 == st2 == 200
+    assert [[h["text"] for h in t["hypotheses"]] for t in p1["translations"]] == two[:5]
+    assert all(t["text"] == t["hypotheses"][0]["text"] and t["score"] == t["hypotheses"][0]["score"]
+               for t in p1["translations"])
+    assert any(len(t["hypotheses"]) == 2 for t in p1["translations"])
+    assert [t["text"] for t in p2["translations"]] == offline[0][5:8]
+
+
+@pytest.mark.parametrize("body,status,message", [
+    (b"{not json", 400, "invalid JSON"),
+    (b'{"text": "\xff\xfe"}', 400, "not UTF-8"),
+    ({"text": "  "}, 400, "sentence 1 is empty"),
+    ({"text": []}, 400, "non-empty"),
+    ({"text": ["ok", 3]}, 400, "non-empty"),
+    ([1, 2], 400, 'JSON object with "text"'),
+    ({"text": "Hallo", "beems": 3}, 400, "unknown option 'beems'"),
+    ({"text": "Hallo", "beam": 5}, 400, "above the server's limit 4"),
+    ({"text": "Hallo", "beam": 2.5}, 400, '"beam" must be an integer'),
+    ({"text": "Hallo", "nbest": 3, "beam": 2}, 400, '"nbest"'),
+    ({"text": ["Hallo"] * 13}, 413, "13 sentences in one request; the limit is 12"),
+    ({"text": "Hallo " * 800}, 413, "request body over 4096 bytes"),
+    ({"text": "Hallo " * 150}, 413, "tokens; the limit is 100"),
+    ({"text": ["Hallo"] * 11}, 429, "queue full"),
+])
+def test_bad_requests_are_refused_in_one_line(server, body, status, message):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            refused = await _post(s, server.url, body, retry_429=False)
+            after = await _post(s, server.url, {"text": "Guten Morgen."})
+            return refused, after
+
+    (st, payload), (st2, _) = _run(go())
+    assert st == status and message in payload["error"] and "\n" not in payload["error"], payload
+    assert st2 == 200  # and the server goes on serving
+
+
+def test_a_client_that_goes_away_frees_its_place(server):
+    """A request whose client disconnects at once: its sentences that wait (8 against a live budget
+    of 4) never enter decoding, the in-flight count goes back to 0 and the server answers the next
+    request."""
+    body = json.dumps({"text": _sources()[:8]}).encode()
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.2)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                async with s.get(server.url + "/metrics") as r:
+                    text = await r.text()
+                if re.search(r"^streambeam_inflight_sentences 0$", text, re.M):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the disconnected request's sentences are still in flight:\n" + text)
+            return await _post(s, server.url, {"text": "Guten Morgen."}), text
+
+    (status, _), text = _run(go())
+    assert status == 200
+    assert int(re.search(r"^streambeam_dropped_sentences_total (\d+)$", text, re.M).group(1)) > 0
+    assert "streambeam_request_latency_seconds_bucket" in text and "process_resident_memory_bytes" in text
+
+
+def test_sigterm_answers_every_accepted_request(offline):
+    """Static batching (a baseline mode) with SIGTERM while requests are in flight: each accepted
+    request is answered with the offline output, later ones are refused or find no server, and the
+    process exits 0."""
+    srv = Served("--batching", "static", "--batch-wait-ms", "200", "--batch-size", "4")
+    sources, best = _sources(), offline[0]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(_post(s, srv.url, {"text": sources[i]})) for i in range(10)]
+            for _ in range(200):  # until every request is accepted
+                async with s.get(srv.url + "/metrics") as r:
+                    m = re.search(r"^streambeam_inflight_sentences (\d+)$", await r.text(), re.M)
+                if m and int(m.group(1)) == 10:
+                    break
+                await asyncio.sleep(0.02)
+            srv.proc.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*tasks)
+            late: Optional[int]
+            try:
+                late = (await _post(s, srv.url, {"text": "Hallo"}, retry_429=False))[0]
+            except aiohttp.ClientConnectionError:
+                late = None
+            return results, late
+
+    try:
+        results, late = _run(go())
+    finally:
+        rc = srv.stop()
+    assert [st for st, _ in results] == [200] * 10
+    assert [p["translations"][0]["text"] for _, p in results] == best[:10]
+    assert late in (503, None)
+    assert rc == 0 and any("stopped after" in line for line in srv.out), srv.out
