@@ -191,7 +191,12 @@ class DecodeLoop:
                 self._release_held()
             for spec, dec in list(self.lanes.items()):
                 if dec.busy:
-                    self._deliver(spec, dec.step())
+                    try:
+                        done = dec.step()
+                    except Exception as e:  # noqa: BLE001 (a failed step must not leave requests waiting)
+                        self._fail_lane(spec, e)
+                        continue
+                    self._deliver(spec, done)
             if not any(d.busy for d in self.lanes.values()):
                 if self.finished:  # static/single: the batch is over
                     for job in self.finished:
@@ -297,6 +302,22 @@ class DecodeLoop:
                 job.done.set_exception(why)
 
         job.loop.call_soon_threadsafe(resolve)
+
+    def _fail_lane(self, spec, error: Exception) -> None:
+        """A decoding step raised: every request in that lane is answered 500 and the lane is
+        closed (its cohorts may be half-updated); the server's own lane reopens empty."""
+        logger.exception("decoding failed; answering its lane's requests with 500")
+        first = str(error).splitlines()[0] if str(error) else ""
+        why = Refused(500, f"decoding failed: {type(error).__name__}: {first}")
+        jobs = {id(job): job for (lane, _), (job, _) in self.owner.items() if lane == spec}
+        self.owner = {k: v for k, v in self.owner.items() if k[0] != spec}
+        for job in jobs.values():
+            job.cancelled = True
+            self._count(len(job.sources) - job.remaining)  # _refuse takes the whole job off the count
+            self._refuse(job, why)
+        self.lanes.pop(spec)
+        if spec == self.base_spec:
+            self.lane_for(spec)
 
     def _close_idle_lanes(self) -> None:
         for spec in [s for s, d in self.lanes.items() if not d.busy and s != self.base_spec]:

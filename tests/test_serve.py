@@ -239,3 +239,48 @@ def test_sigterm_answers_every_accepted_request(offline):
     assert [p["translations"][0]["text"] for _, p in results] == best[:10]
     assert late in (503, None)
     assert rc == 0 and any("stopped after" in line for line in srv.out), srv.out
+
+
+def test_a_failed_step_answers_its_requests_with_500():
+    """A decoding step that raises: the lane's requests are answered 500 (none waits forever), the
+    in-flight count returns to 0, and the server's own lane is open again for the next request."""
+    from fairseq_streambeam.serve import DecodeLoop, Job, Refused
+
+    class Failing:
+        waiting, live_sources, live_candidates = 0, 0, 0
+
+        def __init__(self):
+            self.rows = 0
+
+        @property
+        def busy(self):
+            return self.rows > 0
+
+        def add(self, tokens):
+            self.rows += 1
+            return self.rows
+
+        def step(self):
+            raise RuntimeError("CUDA error: out of memory\nmore lines")
+
+    class Loop(DecodeLoop):
+        def lane_for(self, spec):
+            return self.lanes.setdefault(spec, Failing())
+
+    async def go():
+        loop = Loop(model=None, base_spec="spec")
+        aio = asyncio.get_running_loop()
+        job = Job([[4, 2], [5, 2]], "spec", aio.create_future(), aio)
+        loop.lane_for("spec")
+        loop.thread.start()
+        loop.submit(job)
+        with pytest.raises(Refused) as e:
+            await asyncio.wait_for(job.done, 10)
+        loop.stop()
+        await aio.run_in_executor(None, loop.thread.join, 10)
+        return e.value, loop
+
+    err, loop = _run(go())
+    assert err.status == 500 and str(err) == "decoding failed: RuntimeError: CUDA error: out of memory"
+    assert loop.inflight == 0 and not loop.thread.is_alive()
+    assert loop.lanes["spec"].rows == 0  # the server's own lane, open again and empty
