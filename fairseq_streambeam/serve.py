@@ -243,13 +243,28 @@ class DecodeLoop:
             self.held = []
 
     def _admit(self, job: Job) -> None:
+        """The job's sentences join its lane's queue; a job that cannot is refused, never lost."""
+        try:
+            self._enter(job)
+        except Exception as e:  # noqa: BLE001 (the decoding thread must survive any one job)
+            logger.exception("admitting a request failed")
+            dec = self.lanes.get(job.spec)
+            for row in dec.drop(job.rows) if dec is not None else []:
+                self.owner.pop((job.spec, row), None)
+            self._refuse(job, Refused(500, f"admitting the request failed: {type(e).__name__}"))
+
+    def _enter(self, job: Job) -> None:
         try:
             dec = self.lane_for(job.spec)
-        except UsageError as e:
+        except (UsageError, ValueError) as e:
             return self._refuse(job, Refused(400, str(e)))
         if dec is None:
             return self._refuse(job, Refused(429, f"{self.max_lanes} option sets are in flight; retry, or use "
                                                   "the server's own options", retry_after=1))
+        for i, src in enumerate(job.sources):  # e.g. --min-len above a short source's length limit
+            why = dec.check(src)
+            if why:
+                return self._refuse(job, Refused(400, f"sentence {i + 1}: {why}"))
         job.results = [None] * len(job.sources)
         job.remaining = len(job.sources)
         for i, src in enumerate(job.sources):

@@ -164,6 +164,7 @@ def test_request_options_and_lists(server, offline):
     ({"text": "Hallo " * 800}, 413, "request body over 4096 bytes"),
     ({"text": "Hallo " * 150}, 413, "tokens; the limit is 100"),
     ({"text": ["Hallo"] * 11}, 429, "queue full"),
+    ({"text": "Hallo", "max_len_a": 0.1, "max_len_b": 0}, 400, "sentence 1: --min-len 1 exceeds"),
 ])
 def test_bad_requests_are_refused_in_one_line(server, body, status, message):
     async def go():
@@ -255,6 +256,9 @@ def test_a_failed_step_answers_its_requests_with_500():
         @property
         def busy(self):
             return self.rows > 0
+
+        def check(self, tokens):
+            return None
 
         def add(self, tokens):
             self.rows += 1
