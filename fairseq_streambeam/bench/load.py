@@ -217,7 +217,8 @@ async def run_load(url: str, lines: List[str], expect: Optional[List[str]] = Non
     return report
 
 
-def _positive(kind: type) -> Any:
+def positive(kind: type) -> Any:
+    """An argparse type: `kind` values above 0."""
     def parse(value: str) -> Any:
         v = kind(value)
         if v <= 0:
@@ -232,12 +233,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--input", required=True, type=Path, help="source sentences, one per line")
     p.add_argument("--expect", type=Path, help="offline output, one line per input line, to compare with")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--clients", type=_positive(int), help="closed loop: concurrent clients (default 1)")
-    mode.add_argument("--rate", type=_positive(float), help="open loop: requests started per second")
-    p.add_argument("--duration", type=_positive(float),
+    mode.add_argument("--clients", type=positive(int), help="closed loop: concurrent clients (default 1)")
+    mode.add_argument("--rate", type=positive(float), help="open loop: requests started per second")
+    p.add_argument("--duration", type=positive(float),
                    help="stop starting requests after S s (default: each line once)")
-    p.add_argument("--limit", type=_positive(int), help="use the first N lines only")
-    p.add_argument("--timeout", type=_positive(float), default=60.0, help="per request, s; longer counts as hung")
+    p.add_argument("--limit", type=positive(int), help="use the first N lines only")
+    p.add_argument("--timeout", type=positive(float), default=60.0, help="per request, s; longer counts as hung")
     p.add_argument("--retry-429", action="store_true", help="closed loop: retry a refused line after Retry-After")
     p.add_argument("--json", type=Path, help="write the report as JSON")
     for name, kind in OPTIONS.items():

@@ -40,7 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .load import LoadReport, read_lines, run_load
+from .load import LoadReport, positive, read_lines, run_load
 
 MODES = ("continuous", "static", "single")
 _LISTENING = re.compile(r"^streambeam-serve: .* on http://(\S+):(\d+) \(", re.M)
@@ -146,15 +146,6 @@ def _modes(value: str) -> List[str]:
     return modes
 
 
-def _positive(kind: type) -> Any:
-    def parse(value: str) -> Any:
-        v = kind(value)
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0: {value}")
-        return v
-    return parse
-
-
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, model_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -164,8 +155,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         epilog="After `--`: the model and decoding options of streambeam-serve and streambeam-decode-corpus "
                "(--data --path -s -t --bpe --sentencepiece-model --beam --decoding ...).")
     p.add_argument("--input", required=True, type=Path, help="source sentences, one per line")
-    p.add_argument("--limit", type=_positive(int), help="use the first N lines only")
-    p.add_argument("--single-limit", type=_positive(int),
+    p.add_argument("--limit", type=positive(int), help="use the first N lines only")
+    p.add_argument("--single-limit", type=positive(int),
                    help="single mode sends only the first N of those lines (it is the slow one)")
     p.add_argument("--clients", type=_counts, default=[1, 8, 32, 128], help="closed-loop client counts")
     p.add_argument("--modes", type=_modes, default=list(MODES), help="server batching modes")
@@ -173,16 +164,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--server-args", default="",
                    help='extra arguments for every server (not the reference), e.g. '
                         '--server-args="--stream-order continuous"')
-    p.add_argument("--threads", type=_positive(int), default=1,
+    p.add_argument("--threads", type=positive(int), default=1,
                    help="torch threads of the servers and the reference (also OMP_NUM_THREADS)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--warmup", type=int, default=8, help="lines sent (1 client, not measured) after a server starts")
-    p.add_argument("--timeout", type=_positive(float), default=120.0, help="per request, s; longer counts as hung")
-    p.add_argument("--overload-seconds", type=_positive(float), help="run the overload stage for S s")
-    p.add_argument("--overload-factor", type=_positive(float), default=10.0,
+    p.add_argument("--timeout", type=positive(float), default=120.0, help="per request, s; longer counts as hung")
+    p.add_argument("--overload-seconds", type=positive(float), help="run the overload stage for S s")
+    p.add_argument("--overload-factor", type=positive(float), default=10.0,
                    help="open-loop rate as a multiple of the continuous server's capacity")
-    p.add_argument("--overload-max-queue", type=_positive(int), default=256, help="--max-queue of that server")
-    p.add_argument("--overload-timeout", type=_positive(float), default=30.0, help="per request in that stage, s")
+    p.add_argument("--overload-max-queue", type=positive(int), default=256, help="--max-queue of that server")
+    p.add_argument("--overload-timeout", type=positive(float), default=30.0, help="per request in that stage, s")
     p.add_argument("--out", type=Path, help="write serve.md, serve.json and the servers' logs here")
     args = p.parse_args(own)
     if not model_args:
