@@ -37,7 +37,9 @@ logger = logging.getLogger("fairseq_streambeam.serve")
 
 # per-request options: JSON name -> (DecodeSpec field, type)
 REQUEST_OPTIONS = {"beam": ("beam_size", int), "nbest": ("nbest", int), "lenpen": ("len_penalty", float),
-                   "max_len_a": ("max_len_a", float), "max_len_b": ("max_len_b", int)}
+                   "max_len_a": ("max_len_a", float), "max_len_b": ("max_len_b", int),
+                   "alignment": ("print_alignment", str)}
+ALIGNMENTS = ("hard", "soft")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -293,7 +295,9 @@ class DecodeLoop:
     def _deliver(self, spec, done: Dict[int, list]) -> None:
         for row, hypos in done.items():
             job, i = self.owner.pop((spec, row))
-            job.results[i] = [(h["tokens"].tolist(), float(h["score"])) for h in hypos[:spec.nbest]]
+            job.results[i] = [{"tokens": h["tokens"].tolist(), "score": float(h["score"]),
+                               "alignment": _listed(h["alignment"]) if spec.print_alignment else None}
+                              for h in hypos[:spec.nbest]]
             job.remaining -= 1
             self._count(-1)
             if job.remaining == 0 and not job.cancelled:
@@ -389,14 +393,27 @@ class Server:
             self.metrics.refused[e.status] = self.metrics.refused.get(e.status, 0) + 1
             headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
             return web.json_response({"error": str(e)}, status=e.status, headers=headers)
-        codec = self.model.codec
-        out = []
-        for hypos in results:
-            hyps = [{"text": codec.decode(tokens), "score": score} for tokens, score in hypos]
-            out.append({"text": hyps[0]["text"], "score": hyps[0]["score"], "hypotheses": hyps})
+        out = [self._translation(src, hypos, job.spec.print_alignment) for src, hypos in zip(job.sources, results)]
         self.metrics.sentences += len(out)
         self.metrics.observe(time.perf_counter() - t0)
         return web.json_response({"translations": out})
+
+    def _translation(self, source: List[int], hypos: List[dict], kind: Optional[str]) -> dict:
+        """One sentence's answer; with an alignment, the source and target subword tokens it indexes
+        (EOS left out: hard pairs are 0-based over those tokens, as fairseq's A- lines; soft rows
+        follow the target tokens and EOS, columns the source tokens and EOS)."""
+        codec = self.model.codec
+        hyps = []
+        for h in hypos:
+            hyp = {"text": codec.decode(h["tokens"]), "score": h["score"]}
+            if kind:
+                hyp["tokens"] = [codec.tgt_dict[t] for t in h["tokens"][:-1]]
+                hyp["alignment"] = h["alignment"]
+            hyps.append(hyp)
+        out = {"text": hyps[0]["text"], "score": hyps[0]["score"], "hypotheses": hyps}
+        if kind:
+            out["source_tokens"] = [codec.src_dict[t] for t in source[:-1]]
+        return out
 
     async def _job(self, request) -> Job:
         """The request as a job, or Refused with its status and one line."""
@@ -448,6 +465,11 @@ class Server:
         changes = {}
         for name, value in given.items():
             field, kind = REQUEST_OPTIONS[name]
+            if kind is str:
+                if value not in ALIGNMENTS:
+                    raise Refused(400, f'"{name}" must be one of {", ".join(map(repr, ALIGNMENTS))}, got {value!r}')
+                changes[field] = value
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
                 raise Refused(400, f'"{name}" must be {"an integer" if kind is int else "a number"}, got {value!r}')
             changes[field] = kind(value)
@@ -461,8 +483,17 @@ class Server:
         except UsageError as e:
             message = str(e)
             for name in REQUEST_OPTIONS:  # the request's names, not the command line's
-                message = message.replace(f"--{name.replace('_', '-')}", f'"{name}"')
+                flag = "--print-alignment" if name == "alignment" else f"--{name.replace('_', '-')}"
+                message = message.replace(flag, f'"{name}"')
             raise Refused(400, message) from None
+
+
+def _listed(alignment) -> list:
+    """fairseq's alignment of one hypothesis as JSON lists: hard [source, target] index pairs, soft
+    rows of probabilities (fairseq formats them as strings); a hypothesis without one gets []."""
+    if not isinstance(alignment, list):  # EOS alone: no attention, fairseq leaves an empty tensor
+        return []
+    return [[int(i) for i in p] if isinstance(p, tuple) else [float(x) for x in p] for p in alignment]
 
 
 def _rss_bytes() -> int:

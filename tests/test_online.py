@@ -4,6 +4,7 @@ scores are kept in float32), for every beam
 decoding and for aggressive decoding; waiting sources can be dropped; bad sources are refused."""
 
 import pytest
+import torch
 from helpers import assert_same_hypos, make_dict, make_sample, ours, random_sentences, random_transformer
 
 from fairseq_streambeam import Budget
@@ -56,6 +57,22 @@ def test_online_equals_offline(decoding, extra):
     online, peak = _online(gen, [1, 0, 1, 3, 0, 0, 2, 1])
     assert peak > 1  # sources really were decoded together
     assert_same_hypos(online, offline, atol=1e-5, msg=decoding)
+
+
+@pytest.mark.parametrize("kind", ["hard", "soft"])
+def test_online_alignment_equals_offline(kind):
+    """Each source's alignment (over its own tokens) is the one offline decoding prints for it."""
+    kw = dict(KW, decoding="var-stream", prune_abs_threshold=1.2, print_alignment=kind)
+    offline = _offline(lambda sample: ours(MODELS, D, sample, **kw)[0])
+    gen = StreamBeamGenerator(MODELS, D, budget=Budget(max_sentences=4), **kw)
+    online, _ = _online(gen, [1, 0, 1, 3, 0, 0, 2, 1])
+    assert_same_hypos(online, offline, atol=1e-5, msg=kind)
+    for i, (got, ref) in enumerate(zip(online, offline)):
+        for g, r in zip(got, ref):
+            assert g["alignment"] == r["alignment"], (kind, i)
+            n = len(SENTS[i]) + 1  # offline attention is in the left-padded batch's layout
+            assert torch.allclose(g["attention"], r["attention"][-n:], atol=1e-6), (kind, i)
+    assert any(len(h["alignment"]) for hypos in online for h in hypos)
 
 
 def test_online_aggressive_equals_offline():

@@ -149,6 +149,43 @@ def test_request_options_and_lists(server, offline):
     assert [t["text"] for t in p2["translations"]] == offline[0][5:8]
 
 
+def test_alignments_equal_offline(server):
+    """"alignment": "hard" answers fairseq's hard alignment of each hypothesis (the offline
+    generator's, with --print-alignment hard) over the subword tokens it returns; "soft" a row per
+    target token and EOS over the source tokens and EOS."""
+    from fairseq.data import LanguagePairDataset
+
+    from fairseq_streambeam.decode_corpus import ShardDecoder, parse_args
+
+    sources = _sources()[:6]
+    sd = ShardDecoder(parse_args(["--input", __file__, "--output-dir", "unused", *_model_args(), "--cpu"]))
+    sd.args.print_alignment = "hard"
+    src = [sd.codec.encode(t) for t in sources]
+    ds = LanguagePairDataset(src, [len(x) for x in src], sd.task.source_dictionary, tgt_dict=sd.task.target_dictionary)
+    sample = ds.collater([ds[i] for i in range(len(src))])
+    hypos = sd.task.inference_step(sd.task.build_generator(sd.models, sd.args), sd.models, sample)
+    ref = {sid: hypos[i][0] for i, sid in enumerate(sample["id"].tolist())}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(_post(s, server.url, {"text": sources, "alignment": "hard"}),
+                                        _post(s, server.url, {"text": sources[0], "alignment": "soft"}))
+
+    (st, hard), (st2, soft) = _run(go())
+    assert st == st2 == 200, (hard, soft)
+    for i, t in enumerate(hard["translations"]):
+        h = t["hypotheses"][0]
+        assert h["tokens"] == [sd.codec.tgt_dict[x] for x in ref[i]["tokens"][:-1].tolist()]
+        assert t["source_tokens"] == [sd.codec.src_dict[x] for x in src[i][:-1].tolist()]
+        assert h["alignment"] == [list(p) for p in ref[i]["alignment"]], i
+    assert all(0 <= a < len(t["source_tokens"]) and 0 <= b < len(t["hypotheses"][0]["tokens"])
+               for t in hard["translations"] for a, b in t["hypotheses"][0]["alignment"])
+    sh = soft["translations"][0]
+    rows = sh["hypotheses"][0]["alignment"]
+    assert len(rows) == len(sh["hypotheses"][0]["tokens"]) + 1
+    assert all(len(r) == len(sh["source_tokens"]) + 1 and abs(sum(r) - 1) < 1e-3 for r in rows)
+
+
 @pytest.mark.parametrize("body,status,message", [
     (b"{not json", 400, "invalid JSON"),
     (b'{"text": "\xff\xfe"}', 400, "not UTF-8"),
@@ -160,6 +197,7 @@ def test_request_options_and_lists(server, offline):
     ({"text": "Hallo", "beam": 5}, 400, "above the server's limit 4"),
     ({"text": "Hallo", "beam": 2.5}, 400, '"beam" must be an integer'),
     ({"text": "Hallo", "nbest": 3, "beam": 2}, 400, '"nbest"'),
+    ({"text": "Hallo", "alignment": True}, 400, '"alignment" must be one of'),
     ({"text": ["Hallo"] * 13}, 413, "13 sentences in one request; the limit is 12"),
     ({"text": "Hallo " * 800}, 413, "request body over 4096 bytes"),
     ({"text": "Hallo " * 150}, 413, "tokens; the limit is 100"),

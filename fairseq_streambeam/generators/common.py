@@ -58,6 +58,11 @@ class Sources:
     def device(self) -> torch.device:
         return self.net_input["src_tokens"].device
 
+    @property
+    def sample_width(self) -> int:
+        """Width of the batch fairseq handed over: hypotheses' attention is returned in its layout."""
+        return self.net_input["src_tokens"].size(1)
+
     def subset_input(self, rows: List[int]) -> dict:
         """Encoder input for window rows `rows`, re-collated without the window's extra padding
         (the whole window is passed through untouched, as fairseq would encode it)."""

@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..adapters import alignment
 from ..runtime.driver import Feed, Run
 from ..search.penalties import source_max_len
 
@@ -32,6 +33,10 @@ class OnlineSources:
         self.sentence_ids: Dict[int, int] = {}
         self._tokens: Dict[int, List[int]] = {}
         self.next_row = 0
+
+    @property
+    def sample_width(self) -> int:
+        return 0  # no shared batch: each source's attention is returned over its own tokens
 
     def add(self, tokens: Sequence[int], max_len: int) -> int:
         row, self.next_row = self.next_row, self.next_row + 1
@@ -68,8 +73,6 @@ class OnlineDecoder:
         if getattr(generator, "scorer", None) is not None:
             raise ValueError("online decoding takes no per-sentence scorers (LMBR posteriors, token masks): "
                              "they are keyed by sentence ids of a test set")
-        if getattr(generator, "print_alignment", None):
-            raise ValueError("online decoding does not print alignments")
         self.gen = generator
         device = next(generator.model.models[0].parameters()).device
         self.srcs = OnlineSources(generator.pad, device)
@@ -132,7 +135,11 @@ class OnlineDecoder:
         t0 = time.perf_counter()
         done = self.run.step()
         out = {row: self.gen.sorted_hypotheses(self.results.pop(row)) for row in done}
+        kind = getattr(self.gen, "print_alignment", None)
         for row in done:
+            if kind:
+                src = torch.tensor([self.srcs.tokens(row)])
+                alignment.add_alignments([out[row]], src, self.gen.pad, self.gen.eos, kind)
             self.srcs.forget(row)
         c = self.gen.counters
         c.sentences += len(done)

@@ -138,6 +138,7 @@ class BeamCohort:
         self.len_h = np.zeros(beams.rows, dtype=np.int64)
         self.cache_src_h = np.arange(len(src))  # cohort-local source of each decoder-cache row
         # --print-alignment only: each candidate's attention history and the sample's layout
+        # (width 0: each source alone, as online decoding returns it)
         self.attn: Optional[Tensor] = None
         self.sample_width, self.left_pad = 0, True
 
@@ -297,7 +298,7 @@ class StreamBeamGenerator(SequenceGenerator):
             cohort.src_width = srcs.net_input["src_tokens"].size(1)
         if self.print_alignment:
             cohort.attn = alignment.start(len(new), device)
-            cohort.sample_width, cohort.left_pad = srcs.net_input["src_tokens"].size(1), srcs.left_pad
+            cohort.sample_width, cohort.left_pad = srcs.sample_width, srcs.left_pad
             if srcs.left_pad:
                 sources.enc_start = cohort.src_width - src_len
         return cohort
@@ -529,7 +530,8 @@ class StreamBeamGenerator(SequenceGenerator):
             yield s.ids[src], hypothesis(
                 toks[j, s0:s0 + n], score[j], step_lp[j, s0:s0 + n],
                 None if attn is None else alignment.in_sample_layout(
-                    attn[j, :n], int(s.enc_start[src]), int(s.src_len[src]), c.sample_width, c.left_pad))
+                    attn[j, :n], int(s.enc_start[src]), int(s.src_len[src]), c.sample_width or int(s.src_len[src]),
+                    c.left_pad))
 
     @staticmethod
     def sorted_hypotheses(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
