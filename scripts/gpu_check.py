@@ -338,7 +338,7 @@ def _tests_summary(work: Path) -> Optional[dict]:
 
 def summarize(work: Path, out: Path) -> dict:
     """Gather WORK's outputs (env.json, stages.tsv, tests.xml, bench-*/results.json,
-    step_cost*.json) into OUT/results.json, OUT/results.md and OUT/gpu_check.png."""
+    step_cost*.json, serve/serve.json) into OUT/results.json, OUT/results.md and OUT/gpu_check.png."""
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"env": _read_json(work / "env.json") or {}, "stages": _stage_status(work),
                     "tests": _tests_summary(work), "bench": {}, "step_cost": {}}
@@ -353,6 +353,12 @@ def summarize(work: Path, out: Path) -> dict:
         j = _read_json(p)
         if j is not None:
             result["step_cost"][p.stem] = j
+    j = _read_json(work / "serve" / "serve.json")
+    if j is not None:
+        result["serve"] = {"meta": j.get("meta"), "rows": [{k: v for k, v in r.items() if k != "report"}
+                                                           for r in j.get("rows", [])]}
+        md = work / "serve" / "serve.md"
+        result["serve_md"] = md.read_text(encoding="utf-8") if md.exists() else ""
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(markdown(result))
     plot(result, out / "gpu_check.png")
@@ -381,6 +387,8 @@ def markdown(result: dict) -> str:
         lines += ["| " + " | ".join("" if r.get(k) is None else str(r[k]) for k, _ in BENCH_COLUMNS) + " |"
                   for r in b["rows"]]
         lines.append("")
+    if result.get("serve_md"):
+        lines += ["#" + result["serve_md"].rstrip(), ""]  # serve_bench's own report, one level down
     for name, curve in result.get("step_cost", {}).items():
         lines += [f"## {name}: one decoder step (ms) by rows", "",
                   "| rows | " + " | ".join(str(c["rows"]) for c in curve) + " |", "|---|" + "---|" * len(curve),
@@ -400,6 +408,10 @@ def short_table(result: dict) -> str:
             cells = [r.get(k) for k in ("ratio_to_baseline", "bleu", "accepted_per_pass", "identical_to_exact_ref")]
             lines.append(f"{name:16s} {r['method']:16s} " + " ".join(
                 f"{'' if c is None else c!s:>{w}s}" for c, w in zip(cells, (7, 6, 8, 9))))
+    for r in (result.get("serve") or {}).get("rows", []):
+        p99 = "n/a" if r.get("p99_ms") is None else f"{r['p99_ms']:.0f}"
+        lines.append(f"serve {r['mode']:10s} {r['clients']:>4} clients {r['throughput']:.2f} sent/s, p99 {p99} ms, "
+                     f"{r['identical']} of {r['lines']} identical")
     for name, curve in result.get("step_cost", {}).items():
         lines.append(f"{name}: " + ", ".join(f"{c['rows']} rows {c['ms_per_step']} ms" for c in curve))
     return "\n".join(lines)

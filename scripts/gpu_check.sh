@@ -10,6 +10,9 @@
 #            and ct2 where it runs) on --limit and a fifth of it
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh) for --drafter-minutes,
 #            then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
+#   serve    streambeam-serve on deen-tiny, var-stream k=5: continuous batching against static and
+#            single (bench/serve_bench.py) at 1, 8, 32 and 128 clients over --limit lines (single: a
+#            quarter), every answer checked against offline decoding
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
 #            --big-minutes on the de-en training text, its step cost by rows, and beam 5 with
 #            fairseq, beam, var-batch, var-stream and fixed-stream
@@ -54,7 +57,7 @@ while [ $# -gt 0 ]; do
 done
 IFS=, read -r -a stage_list <<< "$steps"
 for s in "${stage_list[@]}"; do
-  case "$s" in tests|bench|drafter|big) ;; *) die "unknown step '$s' (tests, bench, drafter, big)";; esac
+  case "$s" in tests|bench|drafter|serve|big) ;; *) die "unknown step '$s' (tests, bench, drafter, serve, big)";; esac
 done
 case "$device" in cuda|cpu) ;; *) die "--device must be cuda or cpu";; esac
 for n in "$deadline" "$drafter_lines" "$big_vocab" ${limit:+"$limit"} ${repeats:+"$repeats"}; do
@@ -224,6 +227,16 @@ stage_drafter() {
       --batch-size "$b" --methods fairseq-greedy,greedy,no-draft,gad --drafter "$ckpt" --baseline fairseq-greedy \
       --exact-ref fairseq-greedy --limit "$(limit_for "$b")"
   done
+}
+
+stage_serve() {
+  local clients=1,8,32,128
+  [ "$tiny" = 1 ] && clients=1,8
+  run serve serve-deen "$python" -m fairseq_streambeam.bench.serve_bench \
+    --input "$data/data/wmt/de-en/newstest2017.de" --limit "$limit" --single-limit "$(limit_for 1)" \
+    --clients "$clients" --device "$device" --threads 1 --out "$work/serve" -- \
+    --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --bpe sentencepiece \
+    --sentencepiece-model "$deen/spm8k.model" --decoding var-stream --beam 5
 }
 
 stage_big() {

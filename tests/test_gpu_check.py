@@ -71,6 +71,26 @@ def test_dry_run_of_tests_and_bench(tmp_path):
     assert "deen-k5" in r.stdout and "x base" in r.stdout  # the short table printed last
 
 
+def test_dry_run_of_serve(tmp_path):
+    """The serve stage at tiny sizes: the server and both baselines answer every line as offline
+    decoding does, and the summary carries the serving table."""
+    pytest.importorskip("aiohttp")
+    if not (SHARED / "models" / "deen-tiny").is_dir():
+        pytest.skip(f"no deen-tiny under {SHARED}")
+    out = tmp_path / "out"
+    r = _script("--device", "cpu", "--tiny", "--step", "serve", "--limit", "3", "--data", str(SHARED),
+                "--out", str(out), env_extra={"WORK": str(tmp_path / "work")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["stages"] and all(s["rc"] == 0 for s in res["stages"]), res["stages"]
+    rows = res["serve"]["rows"]
+    assert {(row["mode"], row["clients"]) for row in rows} == {(m, c) for m in ("continuous", "static", "single")
+                                                               for c in (1, 8)}
+    assert all(row["ok"] and row["identical"] == row["lines"] == 3 for row in rows), rows
+    assert "| continuous | 8 | 3 |" in (out / "results.md").read_text()
+    assert "serve continuous" in r.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (["--step", "tests,train"], "unknown step 'train'"),
     (["--device", "gpu"], "--device must be cuda or cpu"),
