@@ -13,7 +13,9 @@ import atexit
 import logging
 import os
 import time
+import warnings
 
+import torch
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationTask
 
@@ -63,9 +65,10 @@ class StreamBeamTranslationTask(TranslationTask):
             w = self.spec.stream_window
             max_tokens = None if max_tokens is None else max_tokens * w
             max_sentences = None if max_sentences is None else max_sentences * w
-        return super().get_batch_iterator(
+        itr = super().get_batch_iterator(
             dataset, max_tokens=max_tokens, max_sentences=max_sentences, max_positions=max_positions,
             ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=1, **kwargs)
+        return _without_pin_memory_warning(itr)
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
@@ -155,6 +158,23 @@ class StreamBeamTranslationTask(TranslationTask):
             counters.sentences += len(out)
             counters.total_seconds += time.perf_counter() - t
         return out
+
+
+def _without_pin_memory_warning(itr):
+    """fairseq's EpochBatchIterator builds its DataLoader with `pin_memory=True` whatever the device,
+    and torch warns at every epoch where no accelerator exists. On such machines, `itr`'s epochs
+    are started with that one warning filtered out (nothing is pinned either way)."""
+    if torch.accelerator.is_available() or not hasattr(itr, "next_epoch_itr"):
+        return itr
+    start = itr.next_epoch_itr
+
+    def next_epoch_itr(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true", category=UserWarning)
+            return start(*args, **kwargs)
+
+    itr.next_epoch_itr = next_epoch_itr
+    return itr
 
 
 def _report_at_exit(gen, name: str) -> None:
