@@ -87,7 +87,7 @@ def test_masked_slots_are_cut_off(monkeypatch):
         before = c.cache.length
         tidy(self, c)
         if c.live_h.any():
-            top = int(c.src.steps_h.max())
+            top = int(c.src.steps.h.max())
             assert c.cache.length == top, (c.cache.length, top)
             seen.append(before - top)
 

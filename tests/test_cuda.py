@@ -133,7 +133,7 @@ FINISHING_STEP_MAX = 6 + 3 + 1
 # The continuous order (var-stream, stream_order="continuous"): one ragged cohort, every row at its
 # own step. A step in which no source finishes, no source was admitted just before, and every row
 # is live (no finished row carried: none has ended yet) makes the same 6, in to_host and _advance:
-#   _ragged_lprobs reads the furthest step off the host mirror (steps_h) and hands it to the block
+#   _ragged_lprobs reads the furthest step off the host mirror (SourceState.steps.h) and hands it to the block
 #     step (`max_position`), which then reads no position back; BlockDecoder.positions grows its
 #     table with device fills (fairseq's sinusoidal table, when it grows, is fairseq's: other:);
 #     the cached encoder keys make `stand_in` a device zeros; one slot per row: no block mask;
@@ -297,7 +297,7 @@ def test_continuous_step_host_syncs():
     assert gen.scheduler.policy == "continuous"
 
     def note(c):  # before each step, from host mirrors: ragged?, every row live?, how many steps its sources are at
-        return c.ragged, bool(c.live_h.all()), len(set(c.src.steps_h.tolist()))
+        return c.ragged, bool(c.live_h.all()), len(set(c.src.steps.h.tolist()))
 
     calls = _syncs_per_step(gen, sample, note=note)
     assert len(calls) == gen.counters.decoder_steps

@@ -41,3 +41,25 @@ def test_select_and_cat_keep_every_field_in_step():
     kept = a.select([1, 2])
     kept.outs[0].append(99)  # lists of lists are shared with the source rows, as the generators expect
     assert a.outs[1] == [1, 99]
+
+
+@dataclass
+class _Group(Rows):
+    first: torch.Tensor
+    second: np.ndarray
+
+
+@dataclass
+class _Nested(Rows):
+    ids: List[int]
+    group: _Group
+
+
+def test_nested_rows_follow_select_and_cat():
+    def make(ids):
+        return _Nested(list(ids), _Group(torch.tensor(ids) * 2, np.array(ids) * 3))
+
+    both = _Nested.cat([make([0, 1, 2]), make([7, 8])])
+    got = both.select([4, 0, 2])
+    assert got.ids == [8, 0, 2] and len(got) == 3
+    assert got.group.first.tolist() == [16, 0, 4] and got.group.second.tolist() == [24, 0, 6]

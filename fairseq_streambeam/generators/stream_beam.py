@@ -86,35 +86,52 @@ class StepHost:
 
 
 @dataclass
+class Steps(Rows):
+    """Tokens each source has decoded: on the host, and on the device when its rows step at their
+    own positions (ragged cohorts)."""
+
+    h: np.ndarray
+    t: Optional[Tensor] = None
+
+
+@dataclass
+class Finish(Rows):
+    """Per source, on the device: hypotheses finished, the best finished score (delta pruning's
+    reference), and the best EOS candidate neither final nor kept (the backoff of Iglesias et al.
+    Alg. 1)."""
+
+    count: Tensor
+    best: Tensor
+    lost_best: Tensor
+
+
+@dataclass
 class SourceState(Rows):
-    """Per-source state of a cohort, one entry per live source: window row, length limit, source
-    length (with EOS), tokens decoded (host, and a device copy when ragged), where its tokens sit in
-    the cohort's encoder positions (alignment), finished counts, best finished score, the best EOS
-    candidate neither final nor kept (the backoff of Iglesias et al. Alg. 1), forced prefix."""
+    """Per-source state of a cohort, one entry per live source: window row, length limit (host and
+    device), source length (with EOS), where its tokens sit in the cohort's encoder positions
+    (alignment), forced prefix, tokens decoded, and its finish state."""
 
     ids: List[int]
     max_len: List[int]
-    src_len: np.ndarray
-    steps_h: np.ndarray
-    enc_start: np.ndarray
     max_len_t: Tensor
-    n_final: Tensor
-    best_final: Tensor
-    lost_best: Tensor
-    steps_t: Optional[Tensor] = None
-    prefix: Optional[Tensor] = None
+    src_len: np.ndarray
+    enc_start: np.ndarray
+    prefix: Optional[Tensor]
+    steps: Steps
+    finish: Finish
 
     @staticmethod
     def start(ids: List[int], max_len: List[int], src_len: np.ndarray, device, dtype, ragged: bool,
               prefix: Optional[Tensor]) -> SourceState:
         n = len(ids)
         return SourceState(
-            ids=ids, max_len=max_len, src_len=src_len, steps_h=np.zeros(n, dtype=np.int64),
-            enc_start=np.zeros(n, dtype=np.int64), max_len_t=torch.tensor(max_len, device=device),
-            n_final=torch.zeros(n, dtype=torch.long, device=device),
-            best_final=torch.full((n,), -math.inf, dtype=dtype, device=device),
-            lost_best=torch.full((n,), -math.inf, dtype=dtype, device=device),
-            steps_t=torch.zeros(n, dtype=torch.long, device=device) if ragged else None, prefix=prefix)
+            ids=ids, max_len=max_len, max_len_t=torch.tensor(max_len, device=device), src_len=src_len,
+            enc_start=np.zeros(n, dtype=np.int64), prefix=prefix,
+            steps=Steps(np.zeros(n, dtype=np.int64),
+                        torch.zeros(n, dtype=torch.long, device=device) if ragged else None),
+            finish=Finish(torch.zeros(n, dtype=torch.long, device=device),
+                          torch.full((n,), -math.inf, dtype=dtype, device=device),
+                          torch.full((n,), -math.inf, dtype=dtype, device=device)))
 
 
 class BeamCohort:
@@ -365,19 +382,19 @@ class StreamBeamGenerator(SequenceGenerator):
         s = c.src
         ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked_per_source(),
                                  self.eos, self.pad, self.rank_like_fairseq)
-        final, keep = self.finalizer.decide(ranked, s.n_final)
+        final, keep = self.finalizer.decide(ranked, s.finish.count)
         # masked_fill with a Python -inf, not torch.where with new_tensor(-inf): a new device tensor
         # from a host number is a host-to-device copy, which synchronizes on CUDA
-        s.best_final = torch.maximum(s.best_final, ranked.scores.masked_fill(~final, -math.inf).max(1).values)
-        keep = self.pruning.threshold_keep(ranked.scores, keep, s.best_final)
-        s.n_final = s.n_final + final.sum(1)
-        at_limit = s.max_len_t <= (s.steps_t if c.ragged else c.steps)
-        done = (s.n_final >= self.finalizer.target) | ~keep.any(1) | at_limit
+        s.finish.best = torch.maximum(s.finish.best, ranked.scores.masked_fill(~final, -math.inf).max(1).values)
+        keep = self.pruning.threshold_keep(ranked.scores, keep, s.finish.best)
+        s.finish.count = s.finish.count + final.sum(1)
+        at_limit = s.max_len_t <= (s.steps.t if c.ragged else c.steps)
+        done = (s.finish.count >= self.finalizer.target) | ~keep.any(1) | at_limit
         keep &= ~done.unsqueeze(1)
         lost = ranked.is_eos & ~final & ~keep
         lost_best, lost_rank = ranked.scores.masked_fill(~lost, -math.inf).max(1)
-        improved = lost_best > s.lost_best
-        s.lost_best = torch.maximum(s.lost_best, lost_best)
+        improved = lost_best > s.finish.lost_best
+        s.finish.lost_best = torch.maximum(s.finish.lost_best, lost_best)
         return Selection(ranked, final, keep, done, improved, lost_rank)
 
     def _emit(self, c: BeamCohort, ranked: Ranked, h: StepHost, step_attn: Optional[Tensor],
@@ -415,7 +432,7 @@ class StreamBeamGenerator(SequenceGenerator):
             live=torch.from_numpy(new_live).to(dev),
             state=None if self.scorer is None else self.scorer.advance(b.state.index_select(0, par_t), tok),
         )
-        c.len_h = np.where(carried, c.len_h[parents], s.steps_h[kp // R] + 1)
+        c.len_h = np.where(carried, c.len_h[parents], s.steps.h[kp // R] + 1)
         cache_row = np.cumsum(c.live_h) - 1  # live (decoder-cache) row of each old candidate row
         row_src_old = (kp // R)[new_live]  # source of each new cache row, old numbering
         moved = not np.array_equal(row_src_old, c.cache_src_h)
@@ -437,9 +454,9 @@ class StreamBeamGenerator(SequenceGenerator):
             c.src = s = s.select(keep_src)
             c.cache.select_sources(torch.from_numpy(keep_src).to(c.beams.src.device))
         c.steps += 1
-        s.steps_h = s.steps_h + 1
+        s.steps.h = s.steps.h + 1
         if c.ragged:
-            s.steps_t = s.steps_t + 1  # type: ignore[operator]
+            s.steps.t = s.steps.t + 1  # type: ignore[operator]
             if len(s):
                 self._tidy_ragged(c)
         return done_ids
@@ -466,8 +483,8 @@ class StreamBeamGenerator(SequenceGenerator):
         log-probs, the ensemble's log-mean-exp)."""
         tokens = live.tokens[:, -1:]
         if c.ragged:
-            positions = c.src.steps_t.index_select(0, live.src).unsqueeze(1)  # type: ignore[union-attr]
-            top = int(c.src.steps_h.max())
+            positions = c.src.steps.t.index_select(0, live.src).unsqueeze(1)  # type: ignore[union-attr]
+            top = int(c.src.steps.h.max())
         else:
             positions, top = torch.full_like(tokens, c.steps), c.steps
         groups = SourceGroups.of_rows(live.src, c.cache_src_h, len(c.src)) if c.cache.per_source else None
@@ -481,12 +498,12 @@ class StreamBeamGenerator(SequenceGenerator):
         and the minimum length per row. The rows' prefixes are left-padded, which n-gram blocking
         never matches (padding is never a token of a prefix)."""
         s = c.src
-        steps = s.steps_t.index_select(0, row_src)  # type: ignore[union-attr]
+        steps = s.steps.t.index_select(0, row_src)  # type: ignore[union-attr]
         at_max = None
-        if bool((s.steps_h >= np.asarray(s.max_len)).any()):
+        if bool((s.steps.h >= np.asarray(s.max_len)).any()):
             at_max = s.max_len_t.index_select(0, row_src) <= steps
-        short = int(s.steps_h.min()) < self.min_len
-        lprobs = self.penalties(lprobs, max(int(s.steps_h.min()), self.min_len), at_max, None, tokens_in)
+        short = int(s.steps.h.min()) < self.min_len
+        lprobs = self.penalties(lprobs, max(int(s.steps.h.min()), self.min_len), at_max, None, tokens_in)
         if short:  # no EOS before the minimum length, per row: an -inf write, like the others in any order
             lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(steps < self.min_len, -math.inf)
         return lprobs
@@ -496,7 +513,7 @@ class StreamBeamGenerator(SequenceGenerator):
         more. Every row's slots end at the cache's last slot (rows step together; a joining row
         has none yet), so all but the furthest source's `top` last slots are masked in every row
         and are cut off as a view."""
-        top = int(c.src.steps_h.max())
+        top = int(c.src.steps.h.max())
         if top < c.steps:
             b = c.beams
             c.beams = Beams(tokens=b.tokens[:, b.tokens.size(1) - top - 1:], cum=b.cum[:, b.cum.size(1) - top:],
@@ -520,8 +537,8 @@ class StreamBeamGenerator(SequenceGenerator):
         step_lp = cum.clone()
         step_lp[:, 1:] = cum[:, 1:] - cum[:, :-1]
         src_of = pos // R
-        lens = np.where(h.carried.reshape(-1)[pos], c.len_h[parents], s.steps_h[src_of] + 1)
-        start = b.tokens.size(1) - 1 - s.steps_h[src_of]  # 0 unless ragged (right-aligned rows)
+        lens = np.where(h.carried.reshape(-1)[pos], c.len_h[parents], s.steps.h[src_of] + 1)
+        start = b.tokens.size(1) - 1 - s.steps.h[src_of]  # 0 unless ragged (right-aligned rows)
         score = raw
         if self.normalize_scores:
             score = raw / torch.tensor([float(n) ** self.len_penalty for n in lens], dtype=raw.dtype, device=dev)

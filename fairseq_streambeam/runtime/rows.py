@@ -1,7 +1,8 @@
 """Row container: per-row (or per-source) fields that must stay in step.
 
 A `Rows` dataclass holds one entry per row in each of its fields: a tensor (indexed on its
-first dimension), a numpy array, a list, or None (an absent field). `select` and `cat` apply to
+first dimension), a numpy array, a list, a nested `Rows` (a group of fields), or None (an
+absent field). `select` and `cat` apply to
 every field at once, so rows leaving or cohorts merging never leave a field behind.
 """
 
@@ -28,12 +29,16 @@ class Rows:
 
     def select(self: R, keep: Sequence[int]) -> R:
         """Rows `keep`, in that order."""
-        idx = np.asarray(keep, dtype=np.int64)
-        tensors: dict = {}  # one index tensor per device
+        return self._select(np.asarray(keep, dtype=np.int64), {})
+
+    def _select(self: R, idx: np.ndarray, tensors: dict) -> R:
+        """`select` with `tensors`: one index tensor per device, shared with nested Rows fields."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Tensor):
+            if isinstance(value, Rows):
+                out[f.name] = value._select(idx, tensors)
+            elif isinstance(value, Tensor):
                 dev = value.device
                 if dev not in tensors:
                     tensors[dev] = torch.from_numpy(idx).to(dev)
@@ -59,6 +64,8 @@ def _take(value: Any, idx: np.ndarray) -> Any:
 def _join(values: List[Any]) -> Any:
     if values[0] is None:
         return None
+    if isinstance(values[0], Rows):
+        return type(values[0]).cat(values)
     if isinstance(values[0], Tensor):
         return torch.cat(values)
     if isinstance(values[0], np.ndarray):
