@@ -265,7 +265,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if self.print_alignment:
             alignment.add_alignments(out, srcs.net_input["src_tokens"], self.pad, self.eos, self.print_alignment)
         self.counters.sentences += n_src
-        self.counters.total_seconds += time.perf_counter() - t0
+        self.counters.seconds.total += time.perf_counter() - t0
         return out
 
     def engine(self, srcs, results, prefix_tokens: Optional[Tensor] = None,
@@ -296,7 +296,7 @@ class StreamBeamGenerator(SequenceGenerator):
             new = sorted(new, key=lambda i: -srcs.lengths[i])
         t = self._tick()
         enc = forward_encoder(self.model, srcs.subset_input(new))
-        self.counters.model_seconds += self._tock(t)
+        self.counters.seconds.model += self._tock(t)
         self.counters.encoder_calls += 1
         dtype = torch.float32
         state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
