@@ -2,8 +2,8 @@
 
 A `Rows` dataclass holds one entry per row in each of its fields: a tensor (indexed on its
 first dimension), a numpy array, a list, a nested `Rows` (a group of fields), or None (an
-absent field). `select` and `cat` apply to
-every field at once, so rows leaving or cohorts merging never leave a field behind.
+absent field). `select` and `cat` apply to every field at once, so rows leaving or cohorts
+merging never leave a field behind.
 """
 
 from __future__ import annotations
