@@ -20,7 +20,7 @@ carry hooks, as quant-noise's do) keep fairseq's own forward.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -159,7 +159,7 @@ class SourceGroups:
 
 def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
                 attn_mask: Optional[Tensor], pad_mask: Optional[Tensor], slots: Optional[Slots] = None,
-                groups: Optional[SourceGroups] = None) -> Tensor:
+                groups: Optional[SourceGroups] = None, layer_math=None) -> Tensor:
     """The decoder layers on block `x` [N, m, C] (batch-major). `enc` [S, N, C] and `enc_mask`
     [N, S] are read while the cross-attention keys are not cached yet (`enc` None: no encoder
     output, so no cross-attention, as in fairseq); `attn_mask` [m, L] is additive over cache +
@@ -169,42 +169,88 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
     cached keys and values are masked, so they are left zero). With `groups`, the cached
     cross-attention keys hold one row per source, which the rows read through the groups.
 
-    Every layer's cache holds the same key padding mask (all cache utilities update them alike),
-    so the additive attention masks are built once per block, from the first layer's cache."""
+    The cache is read into tensors, `layer_math` (default `LayerMath(layers)`: eager; runtime.compiled
+    gives a compiled one) computes on tensors only, and the cache is written back. Every layer's
+    cache holds the same key padding mask (all cache utilities update them alike), so the
+    attention masks are read from the first layer's cache."""
     n = x.size(0)
-    first = layers[0]
-    buf = first.self_attn._get_input_buffer(state) if state is not None else {}
+    if slots is not None and groups is not None:
+        raise ValueError("lean_layers: slots and groups do not combine")
+    selfs = [layer.self_attn for layer in layers]
+    crosses = [layer.encoder_attn for layer in layers]
+    bufs = [mha._get_input_buffer(state) if state is not None else {} for mha in selfs]
+    cbufs = [{} if mha is None or state is None else mha._get_input_buffer(state) for mha in crosses]
+    prev_k = [b.get("prev_key") for b in bufs]
     key_mask = pad_mask
-    prev = buf.get("prev_key_padding_mask") if buf.get("prev_key") is not None else None
-    if prev is not None or (pad_mask is not None and buf.get("prev_key") is not None):
+    prev = bufs[0].get("prev_key_padding_mask") if prev_k[0] is not None else None
+    if prev is not None or (pad_mask is not None and prev_k[0] is not None):
         if prev is None:
-            prev = torch.zeros(n, buf["prev_key"].size(2), dtype=torch.bool, device=x.device)
+            prev = torch.zeros(n, prev_k[0].size(2), dtype=torch.bool, device=x.device)
         if pad_mask is None:
             pad_mask = torch.zeros(n, x.size(1), dtype=torch.bool, device=x.device)
         key_mask = torch.cat([prev.to(torch.bool), pad_mask], 1)
+    cross_k = [b.get("prev_key") for b in cbufs]
     cross_mask = None
-    if first.encoder_attn is not None and enc is not None:
-        cbuf = first.encoder_attn._get_input_buffer(state) if state is not None else {}
-        cross_mask = cbuf.get("prev_key_padding_mask") if cbuf.get("prev_key") is not None else enc_mask
-    masks: Dict[tuple, Optional[Tensor]] = {}  # additive masks by (kind, heads): layers may differ in heads
-
-    def additive(kind: str, heads: int) -> Optional[Tensor]:
-        if (kind, heads) not in masks:
-            if kind == "self":
-                masks[kind, heads] = _additive(key_mask, attn_mask, heads, x.dtype)
-            else:
-                masks[kind, heads] = None if cross_mask is None else _additive(cross_mask, None, heads, x.dtype)
-        return masks[kind, heads]
-
-    if slots is not None:
-        if groups is not None:
-            raise ValueError("lean_layers: slots and groups do not combine")
-        x = slots.pack(x)
-    for layer in layers:
-        cross = None if layer.encoder_attn is None else additive("cross", layer.encoder_attn.num_heads)
-        x = _layer(layer, x, enc, enc_mask, state, key_mask, additive("self", layer.self_attn.num_heads), cross,
-                   slots, groups)
+    if crosses[0] is not None and enc is not None:
+        cross_mask = cbufs[0].get("prev_key_padding_mask") if cross_k[0] is not None else enc_mask
+    pos, n_sources, width = (groups.pos, groups.n_sources, groups.width) if groups is not None else (None, 0, 0)
+    # `enc` is read only where keys are not cached: otherwise it is a stand-in (kv_cache.stand_in)
+    attends = enc is not None
+    enc = enc if attends and any(k is None for k, mha in zip(cross_k, crosses) if mha is not None) else None
+    x, ks, vs, cks, cvs = (layer_math or LayerMath(layers))(
+        x, prev_k, [b.get("prev_value") for b in bufs], key_mask, attn_mask, attends, cross_k,
+        [b.get("prev_value") for b in cbufs], cross_mask, enc, None if slots is None else slots.index,
+        pos, n_sources, width)
+    if state is not None:
+        for mha, buf, k, v in zip(selfs, bufs, ks, vs):
+            buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, key_mask
+            mha._set_input_buffer(state, buf)
+        for mha, buf, old, k, v in zip(crosses, cbufs, cross_k, cks, cvs):
+            if mha is not None and old is None and k is not None:  # computed from `enc` by this block
+                buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, enc_mask
+                mha._set_input_buffer(state, buf)
     return x
+
+
+class LayerMath:
+    """The decoder layers' math on tensors only: no incremental-state dicts, no Python objects
+    built per call, so `torch.compile` can trace it whole (runtime.compiled). Returns the block's
+    output and each layer's self-attention keys and values with the block appended, and its
+    cross-attention keys and values (computed from `enc` where they were not cached). `attends`:
+    an encoder output was given (fairseq skips cross-attention without one)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x: Tensor, prev_k: List[Optional[Tensor]], prev_v: List[Optional[Tensor]],
+                 key_mask: Optional[Tensor], attn_mask: Optional[Tensor], attends: bool,
+                 cross_k: List[Optional[Tensor]], cross_v: List[Optional[Tensor]], cross_mask: Optional[Tensor],
+                 enc: Optional[Tensor], slot_index: Optional[Tensor], pos: Optional[Tensor], n_sources: int,
+                 width: int):
+        n, m = x.size(0), x.size(1)
+        slots = None if slot_index is None else Slots(slot_index, n, m)
+        groups = None if width == 0 else SourceGroups(pos, n_sources, width)
+        if slots is not None:
+            x = slots.pack(x)
+        masks: Dict[tuple, Optional[Tensor]] = {}  # additive masks by (kind, heads): layers may differ in heads
+        ks, vs, cks, cvs = [], [], [], []
+        for layer, pk, pv, ck, cv in zip(self.layers, prev_k, prev_v, cross_k, cross_v):
+            heads = layer.self_attn.num_heads
+            if ("self", heads) not in masks:
+                masks["self", heads] = _additive(key_mask, attn_mask, heads, x.dtype)
+            cross_add = None
+            if layer.encoder_attn is not None and cross_mask is not None:
+                heads = layer.encoder_attn.num_heads
+                if ("cross", heads) not in masks:
+                    masks["cross", heads] = _additive(cross_mask, None, heads, x.dtype)
+                cross_add = masks["cross", heads]
+            x, k, v, ck, cv = _layer(layer, x, attends, enc, pk, pv, masks["self", layer.self_attn.num_heads], ck,
+                                     cv, cross_add, slots, groups)
+            ks.append(k)
+            vs.append(v)
+            cks.append(ck)
+            cvs.append(cv)
+        return x, ks, vs, cks, cvs
 
 
 def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: int, dtype) -> Optional[Tensor]:
@@ -220,24 +266,26 @@ def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: in
     return add.expand(n, heads, add.size(2), length).reshape(n * heads, add.size(2), length)
 
 
-def _layer(layer, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
-           key_mask: Tensor, self_add: Tensor, cross_add: Optional[Tensor], slots: Optional[Slots],
-           groups: Optional[SourceGroups]) -> Tensor:
+def _layer(layer, x: Tensor, attends: bool, enc: Optional[Tensor], prev_k: Optional[Tensor], prev_v: Optional[Tensor],
+           self_add: Optional[Tensor], cross_k: Optional[Tensor], cross_v: Optional[Tensor],
+           cross_add: Optional[Tensor], slots: Optional[Slots], groups: Optional[SourceGroups]):
     pre = layer.normalize_before
     residual = x
     if pre:
         x = norm(layer.self_attn_layer_norm, x)
-    x = residual + _self_attention(layer.self_attn, x, state, key_mask, self_add, slots)
+    h, k, v = _self_attention(layer.self_attn, x, prev_k, prev_v, self_add, slots)
+    x = residual + h
     if not pre:
         x = norm(layer.self_attn_layer_norm, x)
-    if layer.encoder_attn is not None and enc is not None:  # as fairseq: no encoder output, no cross-attention
+    if layer.encoder_attn is not None and attends:  # as fairseq: no encoder output, no cross-attention
         residual = x
         if pre:
             x = norm(layer.encoder_attn_layer_norm, x)
-        x = residual + _cross_attention(layer.encoder_attn, x, enc, enc_mask, state, cross_add, slots, groups)
+        h, cross_k, cross_v = _cross_attention(layer.encoder_attn, x, enc, cross_k, cross_v, cross_add, slots, groups)
+        x = residual + h
         if not pre:
             x = norm(layer.encoder_attn_layer_norm, x)
-    return feed_forward(layer, x)
+    return feed_forward(layer, x), k, v, cross_k, cross_v
 
 
 def feed_forward(layer, x: Tensor) -> Tensor:
@@ -269,21 +317,18 @@ def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
     return x if slots is None else slots.unpack(x)
 
 
-def _self_attention(mha: MultiheadAttention, x: Tensor, state: Optional[IncState], key_mask: Tensor,
-                    add: Tensor, slots: Optional[Slots]) -> Tensor:
+def _self_attention(mha: MultiheadAttention, x: Tensor, prev_k: Optional[Tensor], prev_v: Optional[Tensor],
+                    add: Optional[Tensor], slots: Optional[Slots]):
+    """Attention output, and the keys and values with the block appended to `prev_k`/`prev_v`."""
     h, d = mha.num_heads, mha.head_dim
     q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
     k = _block(linear(mha.k_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     v = _block(linear(mha.v_proj, x), slots).view(n, m, h, d).transpose(1, 2)
-    if state is not None:
-        buf = mha._get_input_buffer(state)
-        if buf.get("prev_key") is not None:
-            k = torch.cat([buf["prev_key"], k], dim=2)  # type: ignore[list-item]
-            v = torch.cat([buf["prev_value"], v], dim=2)  # type: ignore[list-item]
-        buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, key_mask
-        mha._set_input_buffer(state, buf)
-    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots))
+    if prev_k is not None:
+        k = torch.cat([prev_k, k], dim=2)
+        v = torch.cat([prev_v, v], dim=2)  # type: ignore[list-item]
+    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v
 
 
 def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
@@ -291,26 +336,21 @@ def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
     return x if slots is None else slots.pack(x)
 
 
-def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Tensor, enc_mask: Optional[Tensor],
-                     state: Optional[IncState], add: Optional[Tensor], slots: Optional[Slots],
-                     groups: Optional[SourceGroups] = None) -> Tensor:
-    """Cached encoder keys once the first block has stored them (`enc` is then a stand-in); with
-    `groups`, they are cached per source and each source's rows attend together."""
+def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Optional[Tensor], k: Optional[Tensor],
+                     v: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
+                     groups: Optional[SourceGroups] = None):
+    """Attention over the cached encoder keys `k`/`v` once the first block has stored them, else
+    over keys computed from `enc`; with `groups`, they are cached per
+    source and each source's rows attend together. Returns the output and the keys and values."""
     q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
     h, d = mha.num_heads, mha.head_dim
-    buf = mha._get_input_buffer(state) if state is not None else {}
     if groups is not None:
-        out = _attend(groups.spread(q), buf["prev_key"], buf["prev_value"], add,  # type: ignore[arg-type]
-                      groups.n_sources, groups.width * m)
-        return linear(mha.out_proj, groups.collect(out, m))
-    if buf.get("prev_key") is not None:
-        k, v = buf["prev_key"], buf["prev_value"]
-    else:
+        out = _attend(groups.spread(q), k, v, add, groups.n_sources, groups.width * m)  # type: ignore[arg-type]
+        return linear(mha.out_proj, groups.collect(out, m)), k, v
+    if k is None:
+        assert enc is not None
         s = enc.size(0)
         k = linear(mha.k_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()  # [S, N, C] -> [N, H, S, d]
         v = linear(mha.v_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
-        if state is not None:
-            buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, enc_mask
-            mha._set_input_buffer(state, buf)
-    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots))  # type: ignore[arg-type]
+    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v  # type: ignore[arg-type]
