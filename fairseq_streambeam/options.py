@@ -64,6 +64,9 @@ class StreamBeamConfig(TranslationConfig):
     max_wait_steps: int = field(
         default=0, metadata={"help": "latency bound: step a cohort first once it has waited this many "
                                      "decoder steps (0 = off; output unchanged)"})
+    compile: bool = field(
+        default=False, metadata={"help": "run the decoder layers' math through torch.compile (inductor): "
+                                         "compiles a few graphs at the start; scores move in their last bits"})
     lmbr_posteriors: Optional[str] = field(
         default=None, metadata={"help": "LMBR n-gram posteriors (JSON lines by sentence id, from "
                                         "python -m fairseq_streambeam.scorers.build_posteriors)"})

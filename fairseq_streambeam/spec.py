@@ -76,7 +76,7 @@ APPLIES: Dict[str, Tuple[str, Callable[[Decoding], bool]]] = {
     "refill_eps": _STREAMING, "stream_candidates": _STREAMING, "stream_window": _STREAMING,
     "block_size": _DRAFT, "draft_min_reach": _DRAFT, "iad_ngram": ("--decoding iad", lambda d: d.name == "iad"),
     "drafter": _GAD, "draft_lookup": _GAD, "draft_lookup_order": _GAD, "gad_beta": _GAD, "gad_tau": _GAD,
-    "draft_switch": _GAD,
+    "draft_switch": _GAD, "compile": ("the beam and draft decodings", lambda d: d.family != "fairseq"),
 }
 FILES = ("lmbr_posteriors", "token_masks", "draft_lookup", "drafter")
 
@@ -117,6 +117,7 @@ class DecodeSpec:
     stream_window: int = 32
     max_wait_steps: int = 0
     profile: bool = False  # CUDA: synchronize around model calls for an exact time split
+    compile: bool = False  # the lean decoder layers through torch.compile (runtime.compiled)
     # scorers
     lmbr_posteriors: Optional[str] = None
     lmbr_lambda: Optional[float] = None
@@ -345,4 +346,4 @@ PLUGIN_OPTIONS = ("decoding", "prune_abs_threshold", "prune_max_cands", "finish_
                   "stream_admit", "refill_eps", "stream_candidates", "stream_window", "max_wait_steps",
                   "lmbr_posteriors", "lmbr_lambda", "lmbr_theta0", "lmbr_p", "lmbr_r", "token_masks", "block_size",
                   "iad_ngram", "draft_min_reach", "drafter", "draft_lookup", "draft_lookup_order", "gad_beta",
-                  "gad_tau")
+                  "gad_tau", "compile")

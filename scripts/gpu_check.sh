@@ -10,6 +10,9 @@
 #            and ct2 where it runs) on --limit and a fifth of it
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh) for --drafter-minutes,
 #            then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
+#   compile  --compile against the same decodings without it, in one process each: deen-tiny beam
+#            and var-stream at beam 5 (and ct2 where it runs), gec-tiny IAD at batch 1 and 32
+#            against fairseq greedy; at least 3 repeats, of which the first includes compiling
 #   serve    streambeam-serve on deen-tiny, var-stream k=5: continuous batching against static and
 #            single (bench/serve_bench.py) at 1, 8, 32 and 128 clients over --limit lines (single: a
 #            quarter), every answer checked against offline decoding
@@ -57,7 +60,8 @@ while [ $# -gt 0 ]; do
 done
 IFS=, read -r -a stage_list <<< "$steps"
 for s in "${stage_list[@]}"; do
-  case "$s" in tests|bench|drafter|serve|big) ;; *) die "unknown step '$s' (tests, bench, drafter, serve, big)";; esac
+  case "$s" in tests|bench|compile|drafter|serve|big) ;;
+    *) die "unknown step '$s' (tests, bench, compile, drafter, serve, big)";; esac
 done
 case "$device" in cuda|cpu) ;; *) die "--device must be cuda or cpu";; esac
 for n in "$deadline" "$drafter_lines" "$big_vocab" ${limit:+"$limit"} ${repeats:+"$repeats"}; do
@@ -210,6 +214,19 @@ stage_bench() {
       || { echo "[bench] engine-k$k: no config (see bench.log)"; continue; }
     bench bench "engine-k$k" --config "$work/engine_k$k.json" --data "$deen/data-bin" \
       --path "$deen/checkpoint_best.pt" -s de -t en --limit "$n"
+  done
+}
+
+stage_compile() {
+  local methods="beam,beam+compile,var-stream,var-stream+compile" b
+  local repeats=$(( repeats < 3 ? 3 : repeats ))  # the first compiles: medians of 3 or more are warm
+  has_ct2 && methods+=",ct2"
+  bench compile deen-compile-k5 --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam 5 \
+    --methods "$methods" --baseline beam --exact-ref beam --limit "$limit"
+  for b in "${batches[@]}"; do
+    bench compile "gec-compile-b$b" --data "$gec/data-bin" --path "$gec/checkpoint_best.pt" -s src -t trg --beam 1 \
+      --batch-size "$b" --methods fairseq-greedy,iad,iad+compile --baseline fairseq-greedy \
+      --exact-ref fairseq-greedy --limit "$(limit_for "$b")"
   done
 }
 

@@ -176,6 +176,7 @@ def main(argv=None):
             "seconds_mean": round(mean, 3),
             "seconds_std": round(statistics.stdev(r["times"]), 3) if len(r["times"]) > 1 else 0.0,
             "seconds_median": round(statistics.median(r["times"]), 3),
+            "seconds": [round(t, 3) for t in r["times"]],  # each repeat (a first one includes --compile's compiling)
             "ratio_to_baseline": round(statistics.median(r["times"]) / base_t, 3) if base_t else None,
             "decoder_steps": c.decoder_steps if c else None,
             "expansions": c.expansions if c else None,
@@ -255,7 +256,7 @@ def variant_spec(v: Variant, settings: dict, lmbr_file: Optional[str] = None) ->
     if kind.family == "fairseq":
         return DecodeSpec(decoding=decoding)
     f: Dict[str, Any] = dict(decoding=decoding, beam_size=v.beam or settings["beam"], len_penalty=settings["lenpen"],
-                             max_len_b=settings["max_len_b"])
+                             max_len_b=settings["max_len_b"], compile=v.compile)
     if kind.streaming:
         f.update(refill_eps=v.refill_eps if v.refill_eps is not None else settings["refill_eps"],
                  stream_window=settings["stream_window"], stream_candidates=v.candidates)

@@ -32,13 +32,15 @@ class Variant:
     draft_min_reach: Optional[float] = None  # aggressive decoding: adaptive draft cap (--draft-min-reach)
     draft_switch: Optional[bool] = None  # gad: passes without drafts when cheaper (False: draft in every pass)
     lookup: bool = False  # gad: draft from the run's --draft-lookup n-gram table instead of its --drafter
+    compile: bool = False  # the decoder layers through torch.compile (--compile)
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
             raise ValueError(f"variant {self.name!r}: unknown decoding {self.decoding!r}; choose from {DECODINGS}")
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and not (k in ("lmbr", "lookup") and v is False)}
+        return {k: v for k, v in asdict(self).items()
+                if v is not None and not (k in ("lmbr", "lookup", "compile") and v is False)}
 
 
 BUILTIN: Dict[str, Variant] = {
@@ -60,6 +62,10 @@ BUILTIN: Dict[str, Variant] = {
     "gad-oracle": Variant("gad-oracle", "gad-oracle", beam=1, block_size=8),
     # the same generator drafting nothing (one token per pass): its own speed as a greedy decoder
     "no-draft": Variant("no-draft", "no-draft", beam=1),
+    # the same decodings with the decoder layers compiled (--compile)
+    "beam+compile": Variant("beam+compile", "beam", compile=True),
+    "var-stream+compile": Variant("var-stream+compile", "var-stream", compile=True),
+    "iad+compile": Variant("iad+compile", "iad", beam=1, compile=True),
     "beam+lmbr": Variant("beam+lmbr", "beam", lmbr=True),
     "var-stream+lmbr": Variant("var-stream+lmbr", "var-stream", lmbr=True),
 }

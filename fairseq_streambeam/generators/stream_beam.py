@@ -221,7 +221,7 @@ class StreamBeamGenerator(SequenceGenerator):
         # does every step where the lean layers apply, reading encoder keys cached once per source.
         # Half precision keeps fairseq's decoder step: its products in other shapes round
         # differently, which moves float16 scores, while float32 only in their last bits
-        blocks = [BlockDecoder(m.decoder) for m in self.model.models] if block_steps(self.model) else []
+        blocks = [BlockDecoder(m.decoder, spec.compile) for m in self.model.models] if block_steps(self.model) else []
         self.lean_steps = (bool(blocks) and all(b.lean for b in blocks) and spec.print_alignment is None
                            and all(_full_precision(m) for m in self.model.models))
         self.blocks = blocks if policy in RAGGED or self.lean_steps else []

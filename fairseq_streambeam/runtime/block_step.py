@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from .compiled import CompiledLayerMath
 from .kv_cache import IncState, cached_length
 from .lean_layer import Slots, SourceGroups, lean_layers, lean_supported
 
@@ -62,12 +63,13 @@ class BlockDecoder:
     """A block of tokens per row through one fairseq transformer decoder, with what it reuses
     between calls: the positional embeddings of target positions 0..n-1 (grown by doubling up to the decoder's
     max_positions; a learned table is recomputed after its weight changes), and whether its layers
-    take the lean path (runtime.lean_layer), decided when it is built. Generators and drafters
-    build one per decoder with themselves."""
+    take the lean path (runtime.lean_layer), decided when it is built, and with `compile`, their math
+    compiled (runtime.compiled). Generators and drafters build one per decoder with themselves."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, compile: bool = False):
         self.decoder = decoder
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
+        self.layer_math = CompiledLayerMath(decoder.layers) if compile and self.lean else None
         self._table: Optional[Tensor] = None
         self._version: Optional[tuple] = None
 
@@ -122,7 +124,8 @@ class BlockDecoder:
         if slots is not None and logits_for_tail:
             raise ValueError("forward_block: slots and logits_for_tail do not combine")
         if self.lean and not decoder.training:
-            x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots, groups)  # batch-major
+            x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots, groups,  # batch-major
+                            self.layer_math)
         else:
             if groups is not None:
                 raise ValueError("forward_block: cross-attention keys cached per source need lean layers")

@@ -1,0 +1,79 @@
+"""--compile: the lean decoder layers' math through torch.compile (inductor; C++ on the CPU).
+
+In float64 the compiled math equals the eager math up to rounding, so every decoding must return
+the same tokens as without --compile (and as fairseq's SequenceGenerator for beam), with scores
+(float32, as fairseq returns them) within 1e-6. The number of graphs is bounded, and a second run
+on other sources compiles at most a structure or two more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same_hypos, fairseq_generate, make_dict, make_sample, random_sentences, random_transformer
+
+from fairseq_streambeam import Budget, StreamBeamGenerator
+from fairseq_streambeam.drafters.input_copy import InputCopyDrafter
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+from fairseq_streambeam.runtime.compiled import compiled_graphs
+from fairseq_streambeam.spec import DecodeSpec, UsageError
+
+D = make_dict(30)
+# graphs of one decoding over two runs: the call structures of runtime/compiled.py's docstring,
+# each also with sizes of 1 (one row, one slot, one cached slot), which torch specializes. A graph
+# per cache length or row count would exceed it within a few steps.
+GRAPHS_PER_DECODING = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_transformer(D, 7, layers=1, eos_bias=2.0).double()
+
+
+def _graphs_of(run):
+    """Run `run` twice (on two sets of sources); return the graphs the first compiled and the
+    second's extra graphs."""
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    run(1)
+    first = compiled_graphs() - before
+    run(2)
+    return first, compiled_graphs() - before - first
+
+
+@pytest.mark.parametrize("decoding,order", [("var-stream", "min-length"), ("beam", "min-length")])
+def test_beam_decodings_compiled_equal_eager(model, decoding, order):
+    kw = dict(beam_size=4, decoding=decoding, max_len_b=14)
+    if decoding == "var-stream":
+        kw["stream_order"] = order
+
+    def run(seed):
+        sample = make_sample(D, random_sentences(D, 11, 40 + seed, max_len=14))
+        eager = StreamBeamGenerator([model], D, budget=Budget(4), **kw).generate([model], sample)
+        got = StreamBeamGenerator([model], D, budget=Budget(4), compile=True, **kw).generate([model], sample)
+        assert_same_hypos(eager, got, atol=1e-6)
+        if decoding == "beam":
+            assert_same_hypos(fairseq_generate([model], D, sample, beam_size=4, max_len_b=14), got, atol=1e-6)
+
+    first, more = _graphs_of(run)
+    assert first >= 1 and first + more <= GRAPHS_PER_DECODING
+    assert more <= 2  # structures the first sources did not meet (e.g. a single row)
+
+
+def test_iad_compiled_equals_greedy(model):
+    kw = dict(max_len_b=12, min_len=2)
+
+    def run(seed):
+        sample = make_sample(D, random_sentences(D, 10, 60 + seed, max_len=14))
+        ref = fairseq_generate([model], D, sample, beam_size=1, **kw)
+        gen = AggressiveGenerator([model], D, budget=Budget(3), drafter=InputCopyDrafter(2, 0), compile=True, **kw)
+        assert_same_hypos(ref, gen.generate([model], sample), atol=1e-6)
+
+    first, more = _graphs_of(run)
+    assert first >= 1 and first + more <= GRAPHS_PER_DECODING
+    assert more <= 2
+
+
+def test_compile_is_refused_for_fairseq_decoding():
+    with pytest.raises(UsageError, match="--compile applies to the beam and draft decodings, not --decoding fairseq"):
+        DecodeSpec(decoding="fairseq", compile=True)
