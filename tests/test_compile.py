@@ -26,7 +26,7 @@ GRAPHS_PER_DECODING = 10
 
 
 @pytest.fixture(scope="module")
-def model():
+def compile_model():
     return random_transformer(D, 7, layers=1, eos_bias=2.0).double()
 
 
@@ -42,7 +42,8 @@ def _graphs_of(run):
 
 
 @pytest.mark.parametrize("decoding,order", [("var-stream", "min-length"), ("beam", "min-length")])
-def test_beam_decodings_compiled_equal_eager(model, decoding, order):
+def test_beam_decodings_compiled_equal_eager(compile_model, decoding, order):
+    model = compile_model
     kw = dict(beam_size=4, decoding=decoding, max_len_b=14)
     if decoding == "var-stream":
         kw["stream_order"] = order
@@ -60,7 +61,8 @@ def test_beam_decodings_compiled_equal_eager(model, decoding, order):
     assert more <= 2  # structures the first sources did not meet (e.g. a single row)
 
 
-def test_iad_compiled_equals_greedy(model):
+def test_iad_compiled_equals_greedy(compile_model):
+    model = compile_model
     kw = dict(max_len_b=12, min_len=2)
 
     def run(seed):

@@ -1,15 +1,15 @@
 """The CPU tests' invariants on a CUDA device, and the decoding loops' host synchronizations: per
 beam step, per continuous-order step and per IAD pass.
 
-The invariants are the CPU tests themselves, imported below and collected here a second time,
-with every generator call rerouted to the device (tests/device_router.py): beam and fixed-stream
-== fairseq's SequenceGenerator (float32; random models, deen-tiny, a two-model ensemble, prefix
+The invariants are the CPU tests themselves, imported below and collected here a second time, with
+every generator call rerouted to the device (tests/device_router.py): beam and fixed-stream ==
+fairseq's SequenceGenerator (float32; random models, deen-tiny, a two-model ensemble, prefix
 tokens), var-stream == var-batch (float64), IAD and GAD with beta 1 (drafter model, n-gram lookup)
-== greedy, LMBR and token masks, the backoff stack; and float16 models (fairseq-generate --fp16):
-beam vs fairseq's generator and var-stream vs var-batch at stated rates. Marked `cuda`
-(`pytest -m cuda`); skipped without a GPU. STREAMBEAM_TEST_DEVICE=cpu runs the same tests through
-the router on the CPU, so the rerouting itself can be checked on a machine without one (the sync
-counts need CUDA).
+== greedy, LMBR and token masks, the backoff stack, `--compile` (Triton kernels) == eager; and
+float16 models (fairseq-generate --fp16): beam vs fairseq's generator and var-stream vs var-batch
+at stated rates. Marked `cuda` (`pytest -m cuda`); skipped without a GPU.
+STREAMBEAM_TEST_DEVICE=cpu runs the same tests through the router on the CPU, so the rerouting
+itself can be checked on a machine without one (the sync counts need CUDA).
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ from test_aggressive import (  # noqa: F401
     test_iad_equals_greedy_on_random_models,
     test_long_accepts_and_rollbacks_with_compaction,
     test_nan_log_probs_are_handled_like_fairseq,
+)
+from test_compile import (  # noqa: F401
+    compile_model,
+    test_beam_decodings_compiled_equal_eager,
+    test_iad_compiled_equals_greedy,
 )
 from test_exact_fairseq import (  # noqa: F401
     deen,
