@@ -1,12 +1,11 @@
-"""Block decoder step: feed several target tokens per row, each row at its own positions, in one
-pass over the cached prefix (draft verification, drafters, and beam rows at different steps).
+"""Block decoder step: several target tokens per row, each row at its own positions, in one pass
+over the cached prefix (draft verification, drafters, and beam rows at different steps).
 
 fairseq adapter. fairseq's TransformerDecoder in incremental mode only processes the last token
-(`prev_output_tokens[:, -1:]`) and builds no causal mask, so verifying a draft block would need one
-call per token. `BlockDecoder` runs the same embedding, layers and output projection on a block,
-with per-row positions and a causal mask within the block; fairseq's MultiheadAttention appends
-the block to its cached keys and keeps a key padding mask, which is how rejected draft slots and
-rows of different real lengths are handled: masked slots get exactly zero attention weight.
+(`prev_output_tokens[:, -1:]`) and builds no causal mask, so a draft block would take one call per
+token. `BlockDecoder` runs the same embedding, layers and output projection on a block, with per-row
+positions and a causal mask within it; rejected draft slots and rows of different lengths are masked
+in the key padding mask (exactly zero attention weight).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ def block_decodable(decoder) -> bool:
     """True when rows of different lengths can share `decoder`'s cache: `BlockDecoder` runs it
     (fairseq's transformer decoder without cross-self-attention, whose keys mix the encoder output
     into the self-attention cache) and every layer attends to the encoder, so new rows are primed
-    with their encoder keys alone (`prime_encoder_keys`)."""
+    with their encoder keys alone (`KVCache.prime`)."""
     from fairseq.models.transformer import TransformerDecoderBase
 
     return (isinstance(decoder, TransformerDecoderBase) and not getattr(decoder, "cross_self_attention", False)
@@ -60,11 +59,10 @@ def block_attn_mask(prev: int, m: int, tail: int, dtype, device) -> Tensor:
 
 
 class BlockDecoder:
-    """A block of tokens per row through one fairseq transformer decoder, with what it reuses
-    between calls: the positional embeddings of target positions 0..n-1 (grown by doubling up to the decoder's
-    max_positions; a learned table is recomputed after its weight changes), and whether its layers
-    take the lean path (runtime.lean_layer), decided when it is built, and with `compile`, their math
-    compiled (runtime.compiled). Generators and drafters build one per decoder with themselves."""
+    """A block of tokens per row through one fairseq transformer decoder. It keeps the positional
+    embeddings of target positions 0..n-1 (grown by doubling up to max_positions; recomputed after
+    a learned table's weight changes), and whether its layers take the lean path (runtime.lean_layer)
+    and, with `compile`, run compiled (runtime.compiled)."""
 
     def __init__(self, decoder, compile: bool = False):
         self.decoder = decoder
@@ -97,11 +95,9 @@ class BlockDecoder:
         the block to the cache in `state` (None: no cache, as in training). `block_pad` [N, m] marks
         padding inside the block (None: none); the last `tail` slots attend bidirectionally
         (block_attn_mask). `logits_for_tail`: project only the tail slots (logits [N, tail, V]).
-        `max_position`: the largest of `positions` when the caller knows it on the host (saves a
-        device-to-host sync per call on GPUs). `slots` (runtime.lean_layer.Slots, the real slots of
-        a padded block): compute only those and return their logits packed, [T, V] (not with
-        `logits_for_tail`). `groups` (runtime.lean_layer.SourceGroups, lean layers only): the
-        cached cross-attention keys hold one row per source, read by each source's rows."""
+        `max_position`: the largest of `positions`, known on the host (saves a device sync).
+        `slots` (lean_layer.Slots): compute only the real slots, logits packed [T, V]. `groups`
+        (lean_layer.SourceGroups, lean layers only): cross-attention keys cached per source."""
         decoder = self.decoder
         m = tokens.size(1)
         x = decoder.embed_scale * decoder.embed_tokens(tokens)

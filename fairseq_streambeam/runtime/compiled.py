@@ -1,13 +1,10 @@
 """`--compile`: the lean decoder layers' math (runtime.lean_layer.LayerMath) through torch.compile.
 
-The compiled function takes tensors only (the cache is read out of fairseq's incremental state
-before it and written back after it), with symbolic sizes (`dynamic=True`): rows, cache slots and
-source positions change every step without recompiling. What still makes a new graph is the
-structure of a call: the first block of a cache (no self-attention keys yet, encoder keys not
-cached), full or ragged source groups, packed slots or none. That is a few graphs per decoding;
-`GRAPH_LIMIT` bounds them, and a call beyond it runs eagerly (the same math).
-
-Two of torch's compile settings are set around each call, for this function only:
+The compiled function takes tensors only, with symbolic sizes (`dynamic=True`): rows, cache slots
+and source positions change without recompiling. A new graph comes only with a new structure of
+call (first block of a cache, full or ragged source groups, packed slots or none): a few per
+decoding, at most `GRAPH_LIMIT` (beyond it, calls run eagerly: the same math). Two of torch's
+compile settings are set around each call, for this function only:
 - `use_duck_shape=False`: by default sizes equal at the first call are assumed equal forever, and
   at a cohort's first step every source has one row, so rows would be tied to sources;
 - `recompile_limit=GRAPH_LIMIT`: torch's default of 8 is reached by the structures above across a
@@ -25,11 +22,10 @@ GRAPH_LIMIT = 32
 
 
 class CompiledLayerMath:
-    """`LayerMath(layers)` compiled with inductor (C++ on the CPU, Triton on CUDA). Absent inputs
-    that have a neutral value get it, so that they make no graph of their own: no cached keys are
-    keys of no slots, no key mask (self or cross) masks nothing, no block mask adds zeros (the scores are the
-    same: adding 0.0 changes no float). Caches cut as views are copied: a graph's strides are
-    fixed functions of its sizes."""
+    """`LayerMath(layers)` compiled with inductor. Absent inputs that have a neutral value get it,
+    so they make no graph of their own: no cached keys are keys of no slots, no key mask masks
+    nothing, no block mask adds zeros (adding 0.0 changes no float). Caches cut as views are copied:
+    a graph's strides are fixed functions of its sizes."""
 
     def __init__(self, layers):
         self.eager = LayerMath(layers)

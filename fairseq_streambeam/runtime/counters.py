@@ -79,10 +79,6 @@ class Counters:
         d = self.drafting
         return d.accepted_tokens / d.verified_rows if d.verified_rows else 0.0
 
-    @property
-    def bookkeeping_seconds(self) -> float:
-        return max(0.0, self.seconds.total - self.seconds.model)
-
     def as_dict(self) -> dict:
         """Every count under one flat name (the JSON of bench, decode_corpus and the server)."""
         d = asdict(self)
@@ -92,7 +88,7 @@ class Counters:
         d["padding_share"] = round(self.padding_share, 4)
         d["expansions_per_step"] = round(self.expansions_per_step, 2)
         d["accepted_per_pass"] = round(self.accepted_per_pass, 2)
-        d["bookkeeping_seconds"] = round(self.bookkeeping_seconds, 3)
+        d["bookkeeping_seconds"] = round(max(0.0, self.seconds.total - self.seconds.model), 3)
         d["sentences_per_second"] = round(self.sentences / self.seconds.total, 2) if self.seconds.total else 0.0
         return d
 

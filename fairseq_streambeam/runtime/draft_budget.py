@@ -41,11 +41,9 @@ class DraftBudget:
 
     def update(self, lens: List[int], accepted: List[int]) -> None:
         """Row i verified lens[i] draft tokens and accepted the first accepted[i] of them."""
-        longest = max(lens, default=0)
-        if longest > len(self.reached):
-            grow = longest - len(self.reached)
-            self.reached += [0.0] * grow
-            self.accepted += [0.0] * grow
+        grow = max(lens, default=0) - len(self.reached)  # none when not positive
+        self.reached += [0.0] * grow
+        self.accepted += [0.0] * grow
         for d, a in zip(lens, accepted):
             for j in range(min(a + 1, d)):  # positions 0..a were examined (a < d: position a rejected)
                 self.reached[j] += 1
@@ -54,31 +52,20 @@ class DraftBudget:
 
 
 class DraftSwitch:
-    """Drafting on or off, whichever has cost less wall time per output token.
+    """Drafting on or off, whichever has cost less wall time per output token (same output).
 
     A drafter that is rarely right makes every pass dearer (GAD runs the drafter model each pass)
-    while adding few tokens; then passes without drafts are faster, with the same output. The
-    switch keeps exponential averages of seconds and of accepted tokens per pass, with and without
-    drafts, uses the mode with fewer seconds per token, and re-measures the other one now and then
-    (one pass, its time weighed at 0.5): after `first_probe` passes, doubling the wait (up to
-    `max_probe`) each time it loses again.
-
-    Seconds per token is the ratio of the two averages, not an average of each pass's own ratio: a
-    draft rejected at once yields 1 token and an accepted one up to k+1 for about the same time, and
-    the mean of 1/tokens would overcharge drafting. Tokens per pass vary more than seconds, so they
-    are averaged more slowly (`token_alpha`), and the mode changes only when `confirm` probes in a
-    row (`first_probe` passes apart) found the other one cheaper: one probe is one noisy pass.
-    Leaving drafting also takes a gain of `margin`; going back to it takes any gain, so a bad start
-    does not lock drafting out.
-
-    Time per token depends on how many rows a pass has (a batch's last rows pay a pass's fixed
-    cost alone), so modes are compared only at similar row counts: each band of live rows (1-3,
-    4-15, 16-63, ...) keeps its own averages and decision.
-
-    Each pass ends in a host copy of its results, so the host clock sees the device's work too (no
-    extra sync). A probe times only its own pass: where drafting leaves masked slots in the cache
-    that make later passes dearer (batches with refill), the switch may not find the cheaper mode.
-    The measurements behind these rules are in docs/benchmarks.md."""
+    while adding few tokens. The switch keeps exponential averages of seconds and of accepted tokens
+    per pass, with and without drafts, uses the mode with fewer seconds per token (the ratio of the
+    averages: a mean of 1/tokens would overcharge drafting), and probes the other one now and then
+    (one pass, its time weighed at 0.5): after `first_probe` passes, doubling the wait up to
+    `max_probe` each time it loses. Tokens vary more than seconds, so they are averaged more slowly
+    (`token_alpha`); the mode changes only after `confirm` winning probes in a row, and leaving
+    drafting takes a gain of `margin` (going back, any gain, so a bad start does not lock it out).
+    Each band of live rows (1-3, 4-15, 16-63, ...) keeps its own averages and decision: a pass's
+    fixed cost makes time per token depend on its rows. The host clock sees the device's work
+    through each pass's host copy. A probe times only its own pass: masked slots drafting leaves for
+    later passes (batches with refill) are not charged to it. Measurements: docs/benchmarks.md."""
 
     def __init__(self, first_probe: int = 8, max_probe: int = 256, alpha: float = 0.2, token_alpha: float = 0.1,
                  confirm: int = 2, margin: float = 0.1):
@@ -91,8 +78,7 @@ class DraftSwitch:
         """Draft in this pass of `rows` live rows?"""
         key = (max(rows, 1).bit_length() + 1) // 2  # 1-3 -> 1, 4-15 -> 2, 16-63 -> 3, ...
         if key not in self.bands:
-            self.bands[key] = _Band(self.first_probe, self.max_probe, self.alpha, self.token_alpha, self.confirm,
-                                    self.margin)
+            self.bands[key] = _Band(self)
         self.band = self.bands[key]
         return self.band.drafting()
 
@@ -106,14 +92,12 @@ class DraftSwitch:
 class _Band:
     """DraftSwitch's averages and decision for one band of row counts."""
 
-    def __init__(self, first_probe: int, max_probe: int, alpha: float, token_alpha: float, confirm: int,
-                 margin: float):  # no defaults of its own: DraftSwitch's are the only ones
-        self.first_probe, self.max_probe, self.alpha = first_probe, max_probe, alpha
-        self.token_alpha, self.confirm, self.margin = token_alpha, confirm, margin
+    def __init__(self, switch: DraftSwitch):
+        self.switch = switch  # the parameters
         self.seconds: dict = {True: None, False: None}  # averages per pass, drafting or not
         self.tokens: dict = {True: None, False: None}
         self.mode = True  # drafting until measured otherwise
-        self.wait = first_probe  # passes in `mode` before the other mode is measured again
+        self.wait = switch.first_probe  # passes in `mode` before the other mode is measured again
         self.since = 0
         self.probing = False
         self.wins = 0  # probes in a row that found the other mode cheaper
@@ -130,10 +114,9 @@ class _Band:
     def record(self, drafted: bool, seconds: float, tokens: int) -> None:
         if tokens <= 0:
             return
-        alpha = 0.5 if self.probing else self.alpha  # a probed mode is measured rarely: weigh its time more
-        # tokens per drafting pass vary far more than seconds per pass (a draft is rejected at once or
-        # accepted whole): a slower average, where one probe does not weigh more than another pass
-        for avg, value, a in ((self.seconds, seconds, alpha), (self.tokens, float(tokens), self.token_alpha)):
+        sw = self.switch
+        alpha = 0.5 if self.probing else sw.alpha  # a probed mode is measured rarely: weigh its time more
+        for avg, value, a in ((self.seconds, seconds, alpha), (self.tokens, float(tokens), sw.token_alpha)):
             old = avg[drafted]
             avg[drafted] = value if old is None else old + a * (value - old)
         if not self.probing:
@@ -142,13 +125,13 @@ class _Band:
         self.since, self.probing = 0, False
         other, current = self.rate(not self.mode), self.rate(self.mode)
         # leaving drafting (GAD's point) takes a clear gain; going back to it, any gain
-        margin = self.margin if self.mode else 0.0
+        margin = sw.margin if self.mode else 0.0
         if other is not None and current is not None and other < current * (1.0 - margin):
             self.wins += 1
-            if self.wins >= self.confirm:  # the other mode is cheaper, probe after probe: use it
-                self.mode, self.wait, self.wins = not self.mode, self.first_probe, 0
+            if self.wins >= sw.confirm:  # the other mode is cheaper, probe after probe: use it
+                self.mode, self.wait, self.wins = not self.mode, sw.first_probe, 0
             else:  # one probe is one noisy pass: measure again soon
-                self.wait = self.first_probe
+                self.wait = sw.first_probe
         else:
             self.wins = 0
-            self.wait = min(2 * self.wait, self.max_probe)
+            self.wait = min(2 * self.wait, sw.max_probe)

@@ -1,19 +1,13 @@
 """KV cache: fairseq's incremental decoder state for a set of rows, one state per ensemble member.
 
-Beam search and draft-and-verify both keep their decoder state in a `KVCache`. Its rows may be at
-different lengths: a row's real prefix is its unmasked self-attention slots, and masked slots get
-exactly zero attention weight (fairseq's key padding mask). The operations:
-- rows: `reorder` (beam back-pointers), `select` (rows leave), `cat` (cohorts merge; shorter
-  buffers are padded with masked slots);
-- slots: `prime` (a new row's encoder keys, before its first step), `rollback` (rejected draft
-  slots), `truncate`, `compact` (drop masked slots), `trim_encoder` (encoder keys no row uses);
-- encoder outputs for decoders that read them every step (`decoder_inputs`, `source_inputs`,
-  `select_sources`).
+Rows may be at different lengths: a row's real prefix is its unmasked self-attention slots, and
+masked slots get exactly zero attention weight (fairseq's key padding mask). Rows are reordered,
+selected and merged (`cat` pads shorter buffers with masked slots); slots are primed, rolled back,
+truncated and compacted; encoder outputs are kept for decoders that read them every step.
 
-fairseq adapter: this module is the only code that reads or writes fairseq's incremental-state
-dicts (transformer `MultiheadAttention` buffers `prev_key`/`prev_value` [N, H, L, d] and
-`prev_key_padding_mask` [N, L]); each fairseq behaviour it works around is named where it is.
-The decoder step itself appends a block's slots (fairseq's decoder or `block_step.BlockDecoder`).
+fairseq adapter: this is the only module that reads or writes fairseq's incremental-state dicts
+(MultiheadAttention buffers `prev_key`/`prev_value` [N, H, L, d], `prev_key_padding_mask` [N, L]);
+each fairseq behaviour it works around is named where it is.
 """
 
 from __future__ import annotations
@@ -34,19 +28,16 @@ EncOut = Dict[str, List[Tensor]]
 class KVCache:
     """Decoder state of a set of rows for `model` (a fairseq EnsembleModel, or one fairseq model).
 
-    `encoder_outs` holds one encoder output per member with one row per *source*; rows map to
-    sources through the caller's `row_src`. With `per_source`, so do the cached encoder-attention
-    keys (only lean layers read them that way). fairseq's transformer decoder caches its
-    encoder-attention keys in its state at the first step, so it needs the outputs only then
-    (`keep_encoder_out=False`: they are dropped by `after_step`); other decoders (LSTM, fconv)
-    read them every step.
+    `encoder_outs` holds one encoder output per member, one row per source (rows map to sources
+    through the caller's `row_src`); with `per_source`, so do the cached encoder-attention keys, which
+    the rows read through lean_layer.SourceGroups (row reorders leave them alone). fairseq's
+    transformer decoder caches its encoder-attention keys at the first step, so `after_step` drops the
+    outputs unless `keep_encoder_out` (other decoders, e.g. LSTM and fconv, read them every step).
     """
 
     def __init__(self, model, n_sources: int, encoder_outs: Optional[List[EncOut]] = None,
                  keep_encoder_out: bool = False, per_source: bool = False):
         self.model = model
-        # encoder-attention keys cached one row per source (`prime`), read by the rows through
-        # lean_layer.SourceGroups: row reorders leave them alone, and sources leave by `select_sources`
         self.per_source = per_source
         self.decoders = [m.decoder for m in getattr(model, "models", [model])]
         self.states: List[IncState] = [{} for _ in self.decoders]
@@ -97,19 +88,17 @@ class KVCache:
     # ---- rows ----
 
     def reorder(self, rows: Tensor, sources_moved: bool = True) -> None:
-        """Keep rows `rows` (with repetition) of every buffer: follow beam back-pointers.
-
-        Encoder-attention buffers depend only on a row's source; when every new row i belongs to
-        the same source as old row i (`sources_moved=False`, e.g. fixed beams between finishes),
-        their copy is skipped: it is most of the reorder cost for wide beams. Keys cached per
-        source are never copied here."""
+        """Keep rows `rows` (with repetition) of every buffer: follow beam back-pointers. With
+        `sources_moved=False` (new row i has old row i's source, e.g. fixed beams between finishes)
+        encoder-attention buffers are not copied, most of the reorder cost for wide beams; keys
+        cached per source never are."""
         for dec, state in zip(self.decoders, self.states):
             _reorder(dec, state, rows, sources_moved and not self.per_source)
 
     def select(self, rows: Tensor) -> None:
-        """Keep rows `rows` (rows leaving a streaming cohort), and the encoder keys some kept row
-        still uses (`trim_encoder`). Keeping no row empties the cache. For caches whose rows are
-        their sources (draft-and-verify), so not with keys cached `per_source`."""
+        """Keep rows `rows` (others leave), and the encoder keys some kept row still uses
+        (`trim_encoder`); no row empties the cache. For caches whose rows are their sources
+        (draft-and-verify), not `per_source` ones."""
         if self.per_source:
             raise ValueError("KVCache.select: rows of a per-source cache leave by reorder and select_sources")
         if rows.numel() == 0:
@@ -148,9 +137,8 @@ class KVCache:
 
     def prime(self, encoder_outs: List[EncOut]) -> None:
         """Cache new rows' encoder-attention keys without a decoder step, as fairseq's
-        MultiheadAttention caches them at its first step (static keys). The rows have no
-        self-attention slots yet, so this cache can join one whose rows are further along (`cat`
-        pads it with masked slots) and take its first step in the same call (per-row positions)."""
+        MultiheadAttention does at its first step. With no self-attention slots yet, this cache can
+        join one whose rows are further along (`cat` pads it) and step with it (per-row positions)."""
         for dec, state, out in zip(self.decoders, self.states, encoder_outs):
             enc = out["encoder_out"][0]  # [S, N, C]
             enc_mask = out["encoder_padding_mask"][0] if len(out["encoder_padding_mask"]) else None
@@ -163,9 +151,8 @@ class KVCache:
         self.after_step()
 
     def rollback(self, kept: List[int], m: int) -> None:
-        """After a block of m slots, keep the first kept[i] of row i's slots. A lone row's dropped
-        slots are the cache's tail, so they are cut off (its cache then never holds masked slots,
-        and attention needs no key mask); rows of a batch mask theirs."""
+        """After a block of m slots, keep the first kept[i] of row i's slots: rows of a batch mask the
+        others; a lone row cuts them off (its cache then never needs a key mask)."""
         length = self.length
         if len(kept) == 1:
             self.truncate(length - m + kept[0])
@@ -180,15 +167,12 @@ class KVCache:
         for dec, state in zip(self.decoders, self.states):
             for mha in _self_attn(dec):
                 buf = mha._get_input_buffer(state)
-                old = buf.get("prev_key_padding_mask")
-                if old is None:
-                    old = torch.zeros_like(masked)
-                buf["prev_key_padding_mask"] = old.bool() | masked  # fairseq stores it as float after appending
+                old = buf.get("prev_key_padding_mask")  # fairseq stores it as float after appending
+                buf["prev_key_padding_mask"] = masked if old is None else old.bool() | masked
                 mha._set_input_buffer(state, buf)
 
     def truncate(self, length: int, last: bool = False) -> None:
-        """Keep the first (`last`: the last) `length` self-attention slots of every row (a view,
-        no copy)."""
+        """Keep the first (`last`: the last) `length` self-attention slots of every row (a view)."""
         keep = slice(self.length - length, None) if last else slice(0, length)
         for dec, state in zip(self.decoders, self.states):
             for mha in _self_attn(dec):
@@ -217,10 +201,9 @@ class KVCache:
             if mask is None:
                 continue
             mask = mask.bool()  # fairseq stores it as float after appending a block with padding
-            valid = ~mask
-            n_keep = int(valid.sum(1).max())
+            n_keep = int((~mask).sum(1).max())
             order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices[:, :n_keep]  # valid slots first
-            new_mask = ~valid.gather(1, order)
+            new_mask = mask.gather(1, order)
             for mha in mods:
                 buf = mha._get_input_buffer(state)
                 for name in ("prev_key", "prev_value"):
@@ -250,14 +233,11 @@ class KVCache:
                 mha._set_input_buffer(state, buf)
 
 
-# --------------------------------------------------------------------------------------------
-# fairseq adapter functions
-# --------------------------------------------------------------------------------------------
+# ---- fairseq adapter functions ----
 
 
 def max_positions(models, side: int) -> int:
-    """The fewest positions any of `models` takes on `side` (0: source, 1: target); 10**9 when
-    none says."""
+    """The fewest positions any of `models` takes on `side` (0: source, 1: target); 10**9 if none says."""
     best = 10**9
     for m in models:
         mp = m.max_positions() if hasattr(m, "max_positions") else None
@@ -268,13 +248,11 @@ def max_positions(models, side: int) -> int:
 
 
 def check_incremental(model) -> None:
-    """Refuse models whose decoder cannot decode incrementally, and undo beamable attention.
-
+    """Refuse models whose decoder cannot decode incrementally, and undo beamable attention:
     fairseq's "beamable" encoder-decoder attention (`set_beam_size(k>1)`) stores encoder keys once
-    per sentence assuming exactly k rows each, and fconv's BeamableMM (set by fairseq-generate
-    unless --no-beamable-mm) multiplies as if every source had k rows; variable-width beams and
-    streamed cohorts break that assumption, so both are reset to their plain products.
-    """
+    per sentence assuming k rows each, and fconv's BeamableMM (set by fairseq-generate unless
+    --no-beamable-mm) multiplies as if every source had k rows; variable-width beams and streamed
+    cohorts break that, so both are reset to their plain products."""
     from fairseq.modules import BeamableMM
 
     for m in model.models:
@@ -298,12 +276,10 @@ def check_vocabulary(model, tgt_dict) -> None:
 
 
 def transformer_decoders(model) -> bool:
-    """True when every decoder is fairseq's transformer decoder (TransformerDecoderBase). Its
-    incremental state is MultiheadAttention buffers that cache the encoder-attention keys, so
-    encoder outputs are needed at the first step only, and two caches can be merged by
-    `KVCache.cat`. Other decoders (LSTM, fconv, custom) get their encoder outputs reordered every
-    step through the model's own `reorder_encoder_out`, and their cohorts are never merged:
-    streaming steps them separately, with the same output and more steps."""
+    """True when every decoder is fairseq's TransformerDecoderBase: its state is MultiheadAttention
+    buffers that cache the encoder-attention keys, so encoder outputs are needed at the first step
+    only and caches merge by `KVCache.cat`. Other decoders get their encoder outputs reordered every
+    step (the model's `reorder_encoder_out`) and their cohorts never merge (same output, more steps)."""
     from fairseq.models.transformer import TransformerDecoderBase
 
     return all(isinstance(m.decoder, TransformerDecoderBase) for m in model.models)
@@ -320,9 +296,8 @@ def stand_in(model, rows: int, device: torch.device) -> List[EncOut]:
 
     fairseq's TransformerDecoder skips cross-attention when `encoder_out` is empty, so it must get
     a tensor; once `prev_key` is in the incremental state, MultiheadAttention(static_kv=True)
-    ignores that tensor and its padding mask and uses the cached keys and mask. A stride-0 view of
-    the right batch size avoids re-gathering [src_len, rows, dim] encoder states every step.
-    `model` is an EnsembleModel (one output per member) or a single fairseq model."""
+    ignores that tensor and its padding mask. A stride-0 view of the right batch size avoids
+    re-gathering [src_len, rows, dim] encoder states every step. `model`: as for `KVCache`."""
     outs = []
     for m in getattr(model, "models", [model]):
         dim = getattr(m.decoder, "embed_dim", 1)
@@ -350,11 +325,9 @@ def _reorder(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor, 
     """Like fairseq's `reorder_incremental_state_scripting`, but correct for variable-width beams.
 
     fairseq's MultiheadAttention.reorder_incremental_state returns early for encoder-decoder
-    attention when the row count is unchanged (it assumes fixed beams where those rows are
-    identical copies); with variable widths rows of different sources move, so its buffers are
-    index-selected here (or left alone when the caller knows no row changed source). Other
-    modules keep their own reorder.
-    """
+    attention when the row count is unchanged (assuming fixed beams of identical rows); here rows
+    of different sources move, so its buffers are index-selected (unless `encoder_attn` is False).
+    Other modules keep their own reorder."""
     for module in decoder.modules():
         if isinstance(module, MultiheadAttention):
             if module.encoder_decoder_attention and not encoder_attn:
@@ -370,17 +343,12 @@ def _reorder(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor, 
 
 
 def cat_states(states: List[IncState]) -> IncState:
-    """MultiheadAttention buffers of several states, concatenated along the batch.
-
-    Buffers are right-padded to the longest: keys/values with zeros, the padding mask with True,
-    so padded positions get exactly zero attention weight. Encoder-attention buffers differ in
-    source length; self-attention buffers differ for rows at different steps. An entry missing
-    from a state (rows primed with their encoder keys only have no self-attention slots yet)
-    counts as no slots of that state's rows.
-    """
+    """MultiheadAttention buffers of several states, concatenated along the batch and right-padded
+    to the longest (source length, or slots of rows at different steps): keys/values with zeros, the
+    padding mask with True, so padded positions get exactly zero attention weight. An entry missing
+    from a state (rows primed with their encoder keys only) counts as no slots of its rows."""
     out: IncState = {}
-    keys = list(dict.fromkeys(key for s in states for key in s))
-    for key in keys:
+    for key in dict.fromkeys(key for s in states for key in s):
         bufs = [s[key] if key in s else _no_slots(s, states, key) for s in states]
         if any(set(b) != set(bufs[0]) for b in bufs):
             raise ValueError(f"incremental state entry {key!r} differs between cohorts")
@@ -392,7 +360,6 @@ def cat_states(states: List[IncState]) -> IncState:
                 f"buffers; entry {key!r} is not (use --decoding beam or var-batch)"
             )
         length = max(t.size(2) for t in kv)  # type: ignore[union-attr]
-        rows = [t.size(0) for t in kv]  # type: ignore[union-attr]
         for name in bufs[0]:
             ts = [b[name] for b in bufs]
             if name == "prev_key_padding_mask":
@@ -400,8 +367,8 @@ def cat_states(states: List[IncState]) -> IncState:
                     merged[name] = None
                     continue
                 ts = [  # no mask: none of that state's own keys is masked (its padding up to `length` is)
-                    torch.zeros(n, k.size(2), dtype=torch.bool, device=k.device) if t is None else t  # type: ignore[union-attr]
-                    for n, t, k in zip(rows, ts, kv)
+                    torch.zeros(k.size(0), k.size(2), dtype=torch.bool, device=k.device) if t is None else t  # type: ignore[union-attr]
+                    for t, k in zip(ts, kv)
                 ]
                 merged[name] = torch.cat([_pad(t.bool(), 1, length, True) for t in ts], 0)
             elif all(isinstance(t, Tensor) and t.dim() == 4 for t in ts):
@@ -413,8 +380,7 @@ def cat_states(states: List[IncState]) -> IncState:
 
 
 def _no_slots(state: IncState, states: List[IncState], key: str) -> Dict[str, Optional[Tensor]]:
-    """A buffer `key` with no slots for the rows of `state` (which lacks it), shaped like the
-    other states' `key` buffers."""
+    """A buffer `key` with no slots for the rows of `state` (which lacks it), shaped like others'."""
     like = next(s[key]["prev_key"] for s in states if key in s)
     rows = {b["prev_key"].size(0) for b in state.values() if isinstance(b.get("prev_key"), Tensor)}
     if len(rows) != 1:

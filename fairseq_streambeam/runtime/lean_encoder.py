@@ -1,14 +1,12 @@
 """Lean inference path of fairseq's transformer encoder: the same operations, without the wrappers.
 
 fairseq adapter. At inference, TransformerEncoderBase runs each layer through
-MultiheadAttention.forward, which hands its inputs to torch's general
-`F.multi_head_attention_forward` (shape checks, mask canonicalisation, bias concatenation and
-chunking on every call). `encode` calls the products that path ends in, with the same inputs in
-the same time-major layout: q/k/v projections, `scaled_dot_product_attention` with the key padding
-as an additive -inf mask [B, H, 1, S], the output projection, residuals, layer norms and the
-feed-forward block. Its output equals fairseq's bit for bit (tests/test_lean_encoder.py), in
-less time per sentence (docs/benchmarks.md). Encoders with an option it does not implement
-(`supports_lean_encoder`) keep fairseq's forward.
+MultiheadAttention.forward into torch's general `F.multi_head_attention_forward` (shape checks,
+mask canonicalisation, bias concatenation and chunking on every call). `encode` calls the products
+that path ends in, with the same inputs in the same time-major layout (the key padding as an
+additive -inf mask [B, H, 1, S] for `scaled_dot_product_attention`): its output equals fairseq's
+bit for bit (tests/test_lean_encoder.py), in less time (docs/benchmarks.md). Encoders with an
+option it does not implement (`supports_lean_encoder`) keep fairseq's forward.
 """
 
 from __future__ import annotations
@@ -50,17 +48,7 @@ def encode(encoder, net_input: Dict[str, Tensor]) -> Dict[str, List[Tensor]]:
     """`encoder.forward_torchscript(net_input)`, through the lean path when it is supported."""
     if not supports_lean_encoder(encoder):
         return encoder.forward_torchscript(net_input)
-    return _encode(encoder, net_input["src_tokens"])
-
-
-def forward_encoder(ensemble, net_input: Dict[str, Tensor]) -> Optional[List[Dict[str, List[Tensor]]]]:
-    """`EnsembleModel.forward_encoder`: one encoder output per model, each through `encode`."""
-    if not ensemble.has_encoder():
-        return None
-    return [encode(model.encoder, net_input) for model in ensemble.models]
-
-
-def _encode(encoder, src_tokens: Tensor) -> Dict[str, List[Tensor]]:
+    src_tokens = net_input["src_tokens"]
     pad = src_tokens.eq(encoder.padding_idx)
     has_pads = bool(pad.any())  # fairseq multiplies by 1 - pad * has_pads, and passes no mask without pads
     x = embed = encoder.embed_scale * encoder.embed_tokens(src_tokens)
@@ -82,6 +70,13 @@ def _encode(encoder, src_tokens: Tensor) -> Dict[str, List[Tensor]]:
     lengths = src_tokens.ne(encoder.padding_idx).sum(dim=1, dtype=torch.int32).reshape(-1, 1).contiguous()
     return {"encoder_out": [x], "encoder_padding_mask": [pad], "encoder_embedding": [embed],
             "encoder_states": [], "fc_results": [], "src_tokens": [], "src_lengths": [lengths]}
+
+
+def forward_encoder(ensemble, net_input: Dict[str, Tensor]) -> Optional[List[Dict[str, List[Tensor]]]]:
+    """`EnsembleModel.forward_encoder`: one encoder output per model, each through `encode`."""
+    if not ensemble.has_encoder():
+        return None
+    return [encode(model.encoder, net_input) for model in ensemble.models]
 
 
 def _key_mask(pad: Tensor, heads: int, dtype) -> Tensor:

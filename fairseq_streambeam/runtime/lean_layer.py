@@ -1,20 +1,14 @@
 """Lean inference path of fairseq's transformer decoder layer, for block decoding.
 
 fairseq adapter. In incremental mode, TransformerDecoderLayerBase and MultiheadAttention do
-general-purpose bookkeeping on every call: time-major reshapes and asserts, the key padding mask
-converted to float and concatenated again, and head-averaged cross-attention weights that the
-layer always requests (`need_attn`). For the small blocks of aggressive decoding (1-10 slots per
-row) that is a large share of a pass at small batch sizes (docs/benchmarks.md).
-
-`lean_layers` computes the same inference math from the layer's own modules, batch-major, and
-reads and writes fairseq's cache layout (MultiheadAttention input buffers: `prev_key` and
-`prev_value` [N, H, L, Dh], `prev_key_padding_mask` [N, L]), so every cache utility in
-runtime.kv_cache works on either path. The attention masks are built once
-per block for all layers. Projections and layer norms are computed with F.linear and
-F.layer_norm on the modules' own weights (`linear`, `norm`): Module.__call__ costs a few
-microseconds, and a pass of a small model makes tens of these calls. Layers with an option it does
-not implement (`lean_supported`: among others, projections that are not plain torch modules or
-carry hooks, as quant-noise's do) keep fairseq's own forward.
+general-purpose bookkeeping on every call (time-major reshapes and asserts, the key padding mask
+converted to float and concatenated again, head-averaged cross-attention weights requested by
+`need_attn`): a large share of a pass for the small blocks of aggressive decoding at small batch
+sizes (docs/benchmarks.md). `lean_layers` computes the same inference math from the layer's own
+modules, batch-major, in fairseq's cache layout (so every runtime.kv_cache utility works on either
+path), with the attention masks built once per block, and F.linear / F.layer_norm on the modules'
+weights (`linear`, `norm`: Module.__call__ costs microseconds, tens of calls per pass). Layers with
+an option it does not implement (`lean_supported`) keep fairseq's own forward.
 """
 
 from __future__ import annotations
@@ -50,8 +44,7 @@ def plain_modules(*modules) -> bool:
 
 
 def linear(module: nn.Linear, x: Tensor) -> Tensor:
-    """`module(x)` for a `plain_modules` Linear, without Module.__call__ (a few microseconds per
-    call, tens of calls per pass of a small model)."""
+    """`module(x)` for a `plain_modules` Linear, without Module.__call__."""
     return F.linear(x, module.weight, module.bias)
 
 
@@ -71,7 +64,9 @@ def layer_modules(layer) -> tuple:
     return (*projections, layer.fc1, layer.fc2, *norms)
 
 
-def _layer_support(layer) -> bool:
+def lean_supported(layer) -> bool:
+    """True when `lean_layers` computes what fairseq's forward computes for `layer` in inference
+    mode: a standard decoder layer, with no dropout applied at inference (`--retain-dropout`)."""
     base = TransformerDecoderLayerBase
     return (isinstance(layer, base) and type(layer).forward is base.forward
             and type(layer).residual_connection is base.residual_connection
@@ -79,13 +74,8 @@ def _layer_support(layer) -> bool:
             and all(getattr(layer, name, None) is None for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"))
             and layer.self_attn.self_attention and plain_attention(layer.self_attn)
             and (layer.encoder_attn is None or layer.encoder_attn.encoder_decoder_attention)
-            and plain_attention(layer.encoder_attn) and plain_modules(*layer_modules(layer)))
-
-
-def lean_supported(layer) -> bool:
-    """True when `lean_layers` computes what fairseq's forward computes for `layer` in inference
-    mode: a standard decoder layer, with no dropout applied at inference (`--retain-dropout`)."""
-    return _layer_support(layer) and not applies_dropout(layer)
+            and plain_attention(layer.encoder_attn) and plain_modules(*layer_modules(layer))
+            and not applies_dropout(layer))
 
 
 def applies_dropout(module: torch.nn.Module) -> bool:
@@ -164,15 +154,11 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
     [N, S] are read while the cross-attention keys are not cached yet (`enc` None: no encoder
     output, so no cross-attention, as in fairseq); `attn_mask` [m, L] is additive over cache +
     block slots (None: all zeros); `pad_mask` [N, m] marks padding in the block (None: none).
-    Without padding in the block or the cache, attention gets no key mask. With `slots`, only the real slots
-    are computed and the result is packed [T, C] (the padding's outputs are never read, and its
-    cached keys and values are masked, so they are left zero). With `groups`, the cached
-    cross-attention keys hold one row per source, which the rows read through the groups.
-
-    The cache is read into tensors, `layer_math` (default `LayerMath(layers)`: eager; runtime.compiled
-    gives a compiled one) computes on tensors only, and the cache is written back. Every layer's
-    cache holds the same key padding mask (all cache utilities update them alike), so the
-    attention masks are read from the first layer's cache."""
+    With `slots`, only the real slots are computed and the result is packed [T, C] (padding's
+    cached keys and values are masked, so left zero). With `groups`, the cached cross-attention
+    keys hold one row per source. The cache is read into tensors for `layer_math` (default
+    `LayerMath(layers)`; runtime.compiled gives a compiled one) and written back; every layer's
+    cache holds the same key padding mask, so the masks are read from the first layer's."""
     n = x.size(0)
     if slots is not None and groups is not None:
         raise ValueError("lean_layers: slots and groups do not combine")
@@ -213,11 +199,10 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
 
 
 class LayerMath:
-    """The decoder layers' math on tensors only: no incremental-state dicts, no Python objects
-    built per call, so `torch.compile` can trace it whole (runtime.compiled). Returns the block's
-    output and each layer's self-attention keys and values with the block appended, and its
-    cross-attention keys and values (computed from `enc` where they were not cached). `attends`:
-    an encoder output was given (fairseq skips cross-attention without one)."""
+    """The decoder layers' math on tensors only, so `torch.compile` can trace it whole
+    (runtime.compiled). Returns the block's output, each layer's self-attention keys and values
+    with the block appended, and its cross-attention keys and values (computed from `enc` where
+    not cached). `attends`: an encoder output was given (fairseq skips cross-attention without one)."""
 
     def __init__(self, layers):
         self.layers = layers
@@ -338,10 +323,9 @@ def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Optional[Tensor], k: Optional[Tensor],
                      v: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
-                     groups: Optional[SourceGroups] = None):
-    """Attention over the cached encoder keys `k`/`v` once the first block has stored them, else
-    over keys computed from `enc`; with `groups`, they are cached per
-    source and each source's rows attend together. Returns the output and the keys and values."""
+                     groups: Optional[SourceGroups]):
+    """Attention over the cached encoder keys `k`/`v`, else over keys computed from `enc`; with
+    `groups`, keys cached per source. Returns the output and the keys and values."""
     q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
     h, d = mha.num_heads, mha.head_dim

@@ -72,11 +72,9 @@ class Scheduler:
         b = self.budget
         if b.max_candidates is not None:
             return live_candidates < self.eps * b.max_candidates
-        if b.max_sentences is not None and live_sources < self.eps * b.max_sentences:
-            return True
-        if b.max_sentences is None and b.max_tokens is not None:
-            return live_tokens < self.eps * b.max_tokens
-        return False
+        if b.max_sentences is not None:
+            return live_sources < self.eps * b.max_sentences
+        return live_tokens < self.eps * b.max_tokens  # Budget: max_tokens is set when the others are not
 
     def admit(self, live_sources: int, live_tokens: int, pending_lengths: Iterable[int], live_candidates: int = 0,
               width: float = 1.0) -> int:
