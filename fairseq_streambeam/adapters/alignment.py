@@ -1,12 +1,8 @@
 """Cross-attention of each candidate for --print-alignment, kept as fairseq keeps it.
 
-fairseq records, at every step, the decoder's attention over the source for each row, carries it
-along the beam back-pointers, returns it with each hypothesis as a [source width, target length]
-matrix in the batch's own padded layout, and derives hard or soft alignments from it
-(SequenceGeneratorWithAlignment, for models without full-context alignment). Here the history is
-per candidate ([rows, steps, encoder width] of its cohort); each source knows where its tokens sit
-in its cohort's encoder positions, so a hypothesis's matrix can be put back into the layout of the
-sample fairseq handed over, where the alignment functions expect it.
+fairseq (SequenceGeneratorWithAlignment) returns each hypothesis's attention as a [source width,
+target length] matrix in the batch's padded layout and derives hard or soft alignments from it. Here
+each candidate's history is kept over its cohort's encoder positions and put back into that layout.
 """
 
 from __future__ import annotations
@@ -16,11 +12,6 @@ from typing import Dict, List
 import torch
 from fairseq import utils
 from torch import Tensor
-
-
-def start(rows: int, device: torch.device) -> Tensor:
-    """The empty history of `rows` new candidates (its width grows to the encoder's at the first step)."""
-    return torch.zeros(rows, 0, 0, device=device)
 
 
 def extend(hist: Tensor, parents: Tensor, step_attn: Tensor, live_row: Tensor, stepped: Tensor) -> Tensor:

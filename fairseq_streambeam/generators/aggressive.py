@@ -1,16 +1,12 @@
 """Aggressive decoding (Ge et al. 2022), batched with a KV cache and streaming refill.
 
-Each pass asks the drafter for a block per live row (IAD: the source's continuation; GAD: a
-block_drafter model's parallel guess), feeds every row its last accepted token plus its draft,
-verifies the whole block in one decoder pass over the cached prefix, accepts the draft up to its
-first rejected token plus the verifier's own token there (so every pass yields at least one token),
-and rolls the cache back by masking the rejected slots. Verification is strict top-1 by default, so
-the output is greedy decoding's (fairseq `--beam 1`) token for token; GAD++ (`beta` > 1) also
-accepts a draft token that is among the verifier's top-beta and within `tau` of its top-1
-log-probability. Rows that finish leave; new sources enter when fewer than eps*n are live, as in
-VAR-STREAM. Which drafts are worth verifying is decided online from measured acceptance
-(runtime.draft_budget.DraftBudget) and, for GAD, from measured time (DraftSwitch: passes go without
-the drafter while those are cheaper per token); neither changes a top-1 verifier's output.
+Each pass feeds every live row its last accepted token plus a draft (IAD: the source's
+continuation; GAD: a block_drafter model's guess), verifies the block in one decoder pass over the
+cached prefix, accepts the draft up to its first rejected token plus the verifier's own token there,
+and rolls the cache back by masking the rejected slots. Strict top-1 verification gives greedy
+decoding's output (fairseq `--beam 1`) token for token; GAD++ (`beta` > 1) also accepts a draft
+token among the verifier's top-beta within `tau` of its top-1. Which drafts are worth verifying is
+decided online (runtime.draft_budget), which never changes a top-1 verifier's output.
 """
 
 from __future__ import annotations
@@ -107,10 +103,9 @@ class Verdict:
 
 
 class AggressiveGenerator(SequenceGenerator):
-    """IAD (`--decoding iad`) and GAD/GAD++ (`--decoding gad`). Same `generate` signature and
-    output format as fairseq's generator. `spec` (spec.DecodeSpec), or its fields as keyword
-    arguments (decoding iad unless given); `drafter` (drafters/; IAD's input copy by default);
-    `budget`: live sources."""
+    """IAD (`--decoding iad`) and GAD/GAD++ (`--decoding gad`), with fairseq's generator's `generate`
+    signature and output. `spec` (spec.DecodeSpec), or its fields as keyword arguments (decoding iad
+    unless given); `drafter` (drafters/; IAD's input copy by default); `budget`: live sources."""
 
     def __init__(self, models, tgt_dict, spec: Optional[DecodeSpec] = None, drafter: Optional[Drafter] = None,
                  budget: Optional[Budget] = None, **options):
@@ -138,8 +133,7 @@ class AggressiveGenerator(SequenceGenerator):
         if constraints is not None:
             raise NotImplementedError("aggressive decoding does not support lexical constraints")
         t0 = time.perf_counter()
-        srcs = Sources.from_sample(sample, self.pad, self.max_len_a, self.max_len_b, self.max_len, self.min_len,
-                                   self.max_source_positions)
+        srcs = Sources.from_sample(sample, self)
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(len(srcs))]
         self.driver.run(self.engine(srcs, results, prefix_tokens, bos_token), srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)
@@ -156,8 +150,8 @@ class AggressiveGenerator(SequenceGenerator):
         window row's hypothesis to `results[row]`."""
         self.bos = self.eos if bos_token is None else bos_token
         prefix = None if prefix_tokens is None else prefix_tokens.tolist()
-        return Engine(admit=partial(self._admit, srcs, prefix=prefix), step=partial(self._pass, results=results,
-                                                                                 srcs=srcs),
+        return Engine(admit=partial(self._admit, srcs, prefix=prefix),
+                      step=partial(self._pass, results=results, srcs=srcs),
                       mergeable=lambda a, b: a.steps > 0 and b.steps > 0, merge=self._merge)
 
     def _admit(self, srcs: Sources, new: List[int], serial: int,
@@ -237,8 +231,7 @@ class AggressiveGenerator(SequenceGenerator):
 
     def _accept_tokens(self, g: DraftCohort, v: Verdict, results, dev) -> Tuple[List[List[int]], List[int]]:
         """Append each row's accepted draft tokens and the verifier's token after them (up to EOS);
-        a row that reached EOS gets its hypothesis. Returns the tokens each row gained and the
-        rows that finished."""
+        a row that reached EOS gets its hypothesis. Returns the tokens gained and the rows finished."""
         draft_l, best_l, dlp_l, lp_l = v.draft.tolist(), v.best.tolist(), v.draft_lp.tolist(), v.best_lp.tolist()
         done_rows, accepted = [], []
         for i, (out, lp) in enumerate(zip(g.rows.out, g.rows.lp)):
@@ -271,13 +264,13 @@ class AggressiveGenerator(SequenceGenerator):
     def _forced_tokens(self, prefix: Optional[List[List[int]]], steps_h: np.ndarray) -> Optional[np.ndarray]:
         """Prefix token of every block slot [N, m] (slot j of row i predicts output position
         steps_h[i, j]), -1 past the prefix window; None when no slot is inside it."""
-        if prefix is None or not (steps_h < len(prefix[0])).any():
+        if prefix is None:
             return None
-        table = np.asarray(prefix, dtype=np.int64)  # [N, P], the rows' prefix_tokens
-        inside = steps_h < table.shape[1]
+        inside = steps_h < len(prefix[0])
+        if not inside.any():
+            return None
         out = np.full(steps_h.shape, -1, dtype=np.int64)
-        rows = np.nonzero(inside)[0]
-        out[inside] = table[rows, steps_h[inside]]
+        out[inside] = np.asarray(prefix, dtype=np.int64)[np.nonzero(inside)[0], steps_h[inside]]
         return out
 
     def _prefixed(self, lprobs: Tensor, steps: np.ndarray, at_max: np.ndarray, forced: np.ndarray) -> Tensor:
@@ -303,10 +296,9 @@ class AggressiveGenerator(SequenceGenerator):
         return lprobs
 
     def _verify(self, g: DraftCohort, block: Block) -> Verdict:
-        """Verify `block` against the verifier's greedy choices. Top-1 verification first applies
-        only fairseq's column adjustments (a few columns) and reads forced EOS off the EOS column;
-        the passes over every entry (NaN, the length limit) are only made when a NaN reaches a
-        top-1 (FairseqPenalties: same values)."""
+        """Verify `block` against the verifier's greedy choices. Top-1 verification first applies only
+        fairseq's column adjustments and reads forced EOS off the EOS column; the passes over every
+        entry (NaN, the length limit) follow only when a NaN reaches a top-1 (same values)."""
         dev = block.tokens.device
         real = ~block.pad.reshape(-1) if block.slots is not None else slice(None)
         steps_d = torch.from_numpy(block.steps).to(dev)
@@ -331,12 +323,9 @@ class AggressiveGenerator(SequenceGenerator):
 
     def _accept(self, lprobs: Tensor, block: Block, forced_eos: Optional[np.ndarray] = None) -> Verdict:
         """The verdict on `block` from the log-probs [S, V] of its N*m slots, or of its real slots
-        only when S < N*m (slot j predicts the token after slot j; draft token j+1 is accepted while
-        every draft token before it was). Top-1 verification copies only each slot's top-1, its
-        log-prob and the block to the host and compares there. `forced_eos` [S] (host; top-1
-        only): slots at the length limit whose log-probs were not masked yet: EOS is their top-1,
-        and a NaN log-prob is returned where EOS is not allowed either, so the caller redoes the
-        pass with every adjustment."""
+        only when S < N*m (slot j predicts the token after slot j); top-1 compares on the host.
+        `forced_eos` [S] (top-1 only): slots at the length limit, not masked yet: EOS is their top-1,
+        with a NaN log-prob where EOS is not allowed either (the caller then redoes the pass)."""
         if self.beta > 1:
             return self._accept_beta(lprobs, block)
         n, m = block.tokens.shape
@@ -364,9 +353,8 @@ class AggressiveGenerator(SequenceGenerator):
         return Verdict(best, best_lp, tokens[:, 1:], best_lp[:, :-1], np.cumprod(ok, axis=1).sum(1))
 
     def _accept_beta(self, lprobs: Tensor, block: Block) -> Verdict:
-        """GAD++ verification on the device: a draft token is accepted when it is among the
-        verifier's top-beta and within tau of the top-1 log-probability. `lprobs` [N*m, V] covers
-        every slot."""
+        """GAD++ verification on the device: a draft token is accepted when it is among the verifier's
+        top-beta and within tau of the top-1 log-probability. `lprobs` [N*m, V]: every slot."""
         n, m = block.tokens.shape
         best_lp, best = lprobs.max(dim=1)
         best, best_lp = best.view(n, m), best_lp.view(n, m)

@@ -26,27 +26,26 @@ class Sources:
     pad: int
 
     @staticmethod
-    def from_sample(sample, pad: int, max_len_a: float, max_len_b: int, model_max: int, min_len: int,
-                    max_source_positions: int, match_source_len: bool = False) -> Sources:
-        """The window's sources. `match_source_len`: each output has at most as many tokens as its
-        source (fairseq's --match-source-len, which takes the batch's longest source instead)."""
-        net_input = sample["net_input"]
+    def from_sample(sample, gen) -> Sources:
+        """The window's sources, with generator `gen`'s length limits (SequenceGenerator's attributes;
+        --match-source-len: each source's own length, where fairseq takes the batch's longest)."""
+        net_input, pad = sample["net_input"], gen.pad
         src_tokens = net_input["src_tokens"]
         n_src = src_tokens.size(0)
         lengths = src_tokens.ne(pad).sum(1).tolist()
         ids = sample.get("id")
         sentence_ids = ids.tolist() if isinstance(ids, Tensor) else list(range(n_src))
         for sid, n in zip(sentence_ids, lengths):
-            if n > max_source_positions:
+            if n > gen.max_source_positions:
                 raise ValueError(f"source {sid} has {n} tokens, more than the model's "
-                                 f"{max_source_positions} source positions")
-        if match_source_len:
+                                 f"{gen.max_source_positions} source positions")
+        if gen.match_source_len:
             max_lens = list(lengths)  # fairseq reads net_input's src_lengths, EOS included
         else:
-            max_lens = [source_max_len(n, max_len_a, max_len_b, model_max) for n in lengths]
-        if max_lens and min_len > min(max_lens):
-            raise ValueError(f"--min-len {min_len} exceeds the maximum length {min(max_lens)} allowed by "
-                             + ("--match-source-len" if match_source_len else
+            max_lens = [source_max_len(n, gen.max_len_a, gen.max_len_b, gen.max_len) for n in lengths]
+        if max_lens and gen.min_len > min(max_lens):
+            raise ValueError(f"--min-len {gen.min_len} exceeds the maximum length {min(max_lens)} allowed by "
+                             + ("--match-source-len" if gen.match_source_len else
                                 "--max-len-a/--max-len-b and the model's positions"))
         left_pad = bool(src_tokens[:, 0].eq(pad).any()) if n_src else False
         return Sources(net_input, lengths, max_lens, sentence_ids, left_pad, pad)

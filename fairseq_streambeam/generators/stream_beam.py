@@ -1,12 +1,7 @@
 """StreamBeamGenerator: fixed, variable-width (VAR-BATCH) and streaming (VAR-STREAM) beam search.
 
-The loop (see docs/design.md) is runtime.driver's: the Scheduler admits sources and picks a
-cohort; the cohort's KVCache feeds one incremental decoder step; fairseq's penalties adjust the log-probs;
-`rank_candidates` + the finalization rule + pruning decide what is final and what continues;
-beams and cache follow the back-pointers. Every source evolves independently of the others, so
-the schedule changes speed, never output. With the continuous order there is one cohort whose
-sources are at different steps: its rows step through `BlockDecoder` at their own positions,
-over a cache whose rows are padded with masked slots.
+The loop is runtime.driver's (docs/design.md, "Steps"). Every source evolves independently of the
+others, so the schedule changes speed, never output.
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -96,9 +91,8 @@ class Steps(Rows):
 
 @dataclass
 class Finish(Rows):
-    """Per source, on the device: hypotheses finished, the best finished score (delta pruning's
-    reference), and the best EOS candidate neither final nor kept (the backoff of Iglesias et al.
-    Alg. 1)."""
+    """Per source, on the device: hypotheses finished, the best finished score (delta's reference),
+    and the best EOS candidate neither final nor kept (the backoff of Iglesias et al. Alg. 1)."""
 
     count: Tensor
     best: Tensor
@@ -135,11 +129,9 @@ class SourceState(Rows):
 
 
 class BeamCohort:
-    """Live sources whose candidates have all taken `steps` decoder steps (decoded that many
-    tokens), with their beams and cache: the driver's Cohort for beam search. Ragged (continuous
-    order): sources at different steps share the cohort; `steps` is then the furthest source's,
-    beams' tokens and cum are right-aligned (each row's last token in the last column, padding on
-    the left) and every row steps at its own position."""
+    """Live sources whose candidates have all decoded `steps` tokens, with their beams and cache (the
+    driver's Cohort). Ragged (continuous order): sources at different steps, `steps` the furthest's;
+    tokens and cum are right-aligned (padding on the left) and each row steps at its own position."""
 
     def __init__(self, src: SourceState, beams: Beams, cache: KVCache, serial: int, ragged: bool = False):
         self.src = src
@@ -174,7 +166,8 @@ class BeamCohort:
         assert a.steps == b.steps or (a.ragged and b.ragged)
         off = a.n_sources  # b's sources follow a's
         steps = max(a.steps, b.steps)
-        a.beams = Beams.cat([_widen(a.beams, steps, pad), _widen(b.beams, steps, pad)], [0, off])
+        wide_b = _widen(b.beams, steps, pad)
+        a.beams = Beams.cat([_widen(a.beams, steps, pad), replace(wide_b, src=wide_b.src + off)])
         a.steps = steps
         a.src = SourceState.cat([a.src, b.src])
         a.cache = KVCache.cat([a.cache, b.cache])
@@ -190,14 +183,11 @@ class BeamCohort:
 
 
 class StreamBeamGenerator(SequenceGenerator):
-    """Drop-in for fairseq's SequenceGenerator (same `generate`/`_generate` signature and output),
-    for the beam decodings of spec.DECODINGS: beam, greedy, var-batch, var-stream, fixed-stream.
-
-    `spec` (a spec.DecodeSpec), or its fields as keyword arguments (fairseq's generation options
-    under SequenceGenerator's names: `StreamBeamGenerator(models, d, beam_size=5,
-    decoding="var-stream")`). `scorers`: per-step additive or masking terms (scorers/). `budget`:
-    live sources for streaming. `lm_model`: shallow fusion, as fairseq's.
-    """
+    """Drop-in for fairseq's SequenceGenerator (same `generate`/`_generate` signature and output)
+    for the beam decodings of spec.DECODINGS. `spec` (a spec.DecodeSpec), or its fields as keyword
+    arguments under SequenceGenerator's names (`beam_size=5, decoding="var-stream"`). `scorers`:
+    per-step additive or masking terms (scorers/); `budget`: live sources for streaming; `lm_model`:
+    shallow fusion, as fairseq's."""
 
     def __init__(self, models, tgt_dict, spec: Optional[DecodeSpec] = None, scorers: Sequence = (),
                  budget: Optional[Budget] = None, lm_model=None, **options):
@@ -217,20 +207,18 @@ class StreamBeamGenerator(SequenceGenerator):
             if why:
                 logger.info("--stream-order %s falls back to min-length: %s", policy, why)
                 policy = "min-length"
-        # rows at different steps go through the block step, one decoder call per cohort step; so
-        # does every step where the lean layers apply, reading encoder keys cached once per source.
-        # Half precision keeps fairseq's decoder step: its products in other shapes round
-        # differently, which moves float16 scores, while float32 only in their last bits
+        # rows at different steps, and every step where the lean layers apply, go through the block
+        # step. Half precision keeps fairseq's decoder step: products in other shapes round
+        # differently, which moves float16 scores (float32 ones only in their last bits)
         blocks = [BlockDecoder(m.decoder, spec.compile) for m in self.model.models] if block_steps(self.model) else []
         self.lean_steps = (bool(blocks) and all(b.lean for b in blocks) and spec.print_alignment is None
                            and all(_full_precision(m) for m in self.model.models))
         self.blocks = blocks if policy in RAGGED or self.lean_steps else []
         self.scheduler = Scheduler(policy, budget or Budget(), spec.refill_eps, spec.max_wait_steps)
         self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
-        self.penalties = FairseqPenalties(
-            pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=spec.unk_penalty, min_len=spec.min_len,
-            suppress=self.token_indices_to_suppress, no_repeat_ngram=spec.no_repeat_ngram_size,
-        )
+        self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=spec.unk_penalty,
+                                          min_len=spec.min_len, suppress=self.token_indices_to_suppress,
+                                          no_repeat_ngram=spec.no_repeat_ngram_size)
         self.mergeable = transformer_decoders(self.model)  # cohorts of equal length share one cache
         self.keep_encoder_out = not self.mergeable
         self.max_source_positions = max_positions(self.model.models, 0)
@@ -248,14 +236,12 @@ class StreamBeamGenerator(SequenceGenerator):
             raise NotImplementedError("fairseq_streambeam does not support lexical constraints; "
                                       "use --decoding fairseq")
         t0 = time.perf_counter()
-        srcs = Sources.from_sample(sample, self.pad, self.max_len_a, self.max_len_b, self.max_len, self.min_len,
-                                   self.max_source_positions, self.match_source_len)
+        srcs = Sources.from_sample(sample, self)
         n_src, lengths = len(srcs), srcs.lengths
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]
         engine = self.engine(srcs, results, prefix_tokens, bos_token)
-        # streaming admits sources by length: shortest first, cohorts (and their merges) pad little;
-        # longest first, long outputs start early and the window's last steps are fuller. Batch
-        # modes keep fairseq's batch as it is. Output is per window row either way.
+        # streaming admits sources by length (shortest first: cohorts pad little; longest first: long
+        # outputs start early); batch modes keep fairseq's batch. Output is per window row either way.
         order = list(range(n_src))
         if self.spec.kind.streaming:
             order.sort(key=lengths.__getitem__, reverse=self.spec.stream_admit == "longest-first")
@@ -279,16 +265,14 @@ class StreamBeamGenerator(SequenceGenerator):
         ragged = self.scheduler.policy in RAGGED and prefix_tokens is None
         bos = self.eos if bos_token is None else bos_token
         return Engine(
-            admit=partial(self._admit, srcs, prefix_tokens=prefix_tokens, bos=bos, device=srcs.device, ragged=ragged),
+            admit=partial(self._admit, srcs, prefix_tokens=prefix_tokens, bos=bos, ragged=ragged),
             step=partial(self._step, results=results),
             mergeable=lambda a, b: self.mergeable and a.steps == b.steps,
             merge=partial(BeamCohort.merge, pad=self.pad),
             joins_live=ragged,
         )
 
-    # ---------------------------------------------------------------------------------------
-
-    def _admit(self, srcs: Sources, new: List[int], serial: int, prefix_tokens: Optional[Tensor], bos: int, device,
+    def _admit(self, srcs: Sources, new: List[int], serial: int, prefix_tokens: Optional[Tensor], bos: int,
                ragged: bool = False) -> BeamCohort:
         """Encode sources `new` (window rows) together and start their beams; `ragged`: cache
         their encoder keys now, so they can join a cohort of sources at other steps."""
@@ -298,7 +282,7 @@ class StreamBeamGenerator(SequenceGenerator):
         enc = forward_encoder(self.model, srcs.subset_input(new))
         self.counters.seconds.model += self._tock(t)
         self.counters.encoder_calls += 1
-        dtype = torch.float32
+        device, dtype = srcs.device, torch.float32
         state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
         beams = Beams.start(len(new), bos, device, dtype, state)
         prefix = None
@@ -312,18 +296,17 @@ class StreamBeamGenerator(SequenceGenerator):
         sources = SourceState.start(new, [srcs.max_lens[i] for i in new], src_len, device, dtype, ragged, prefix)
         cohort = BeamCohort(sources, beams, cache, serial, ragged)
         if srcs.is_whole(new):  # fairseq's own batch: its padded width
-            cohort.src_width = srcs.net_input["src_tokens"].size(1)
+            cohort.src_width = srcs.sample_width
         if self.print_alignment:
-            cohort.attn = alignment.start(len(new), device)
+            cohort.attn = torch.zeros(len(new), 0, 0, device=device)  # empty histories, widened by the first step
             cohort.sample_width, cohort.left_pad = srcs.sample_width, srcs.left_pad
             if srcs.left_pad:
                 sources.enc_start = cohort.src_width - src_len
         return cohort
 
     def _step(self, c: BeamCohort, results: List[List[Dict[str, Tensor]]]) -> List[int]:
-        """One decoder step for cohort `c`, in stages: score the live rows, select (rank, finalize,
-        prune), bring the selection to the host in one copy, emit finished hypotheses, advance
-        beams and cache, evict finished sources. Returns the window rows of sources that finished."""
+        """One decoder step for cohort `c`: score, select, one host copy, emit, advance, evict.
+        Returns the window rows of sources that finished."""
         live = self._live_rows(c)
         lprobs, step_attn = self._score(c, live)
         sel = self._select(c, lprobs)
@@ -380,7 +363,7 @@ class StreamBeamGenerator(SequenceGenerator):
         """Rank each source's candidates, apply the finalization rule and delta pruning, and find
         the sources that are done and the best EOS candidate lost on each (the backoff), on the device."""
         s = c.src
-        ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked_per_source(),
+        ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked,
                                  self.eos, self.pad, self.rank_like_fairseq)
         final, keep = self.finalizer.decide(ranked, s.finish.count)
         # masked_fill with a Python -inf, not torch.where with new_tensor(-inf): a new device tensor
@@ -400,15 +383,14 @@ class StreamBeamGenerator(SequenceGenerator):
     def _emit(self, c: BeamCohort, ranked: Ranked, h: StepHost, step_attn: Optional[Tensor],
               results: List[List[Dict[str, Tensor]]]) -> None:
         """Finished candidates become hypotheses; a better lost EOS candidate becomes a source's backoff."""
-        R = h.final.shape[1]
         fin_pos = np.flatnonzero(h.final)
         if fin_pos.size:
-            for row, hypo in self._hypotheses(c, ranked, fin_pos, h, self._child_attn(c, h, step_attn, fin_pos)):
+            for row, hypo in self._hypotheses(c, ranked, fin_pos, h, step_attn):
                 results[row].append(hypo)
         better = np.flatnonzero(h.improved)
         if better.size:
-            pos = better * R + h.lost_rank[better]
-            for row, hypo in self._hypotheses(c, ranked, pos, h, self._child_attn(c, h, step_attn, pos)):
+            pos = better * h.final.shape[1] + h.lost_rank[better]
+            for row, hypo in self._hypotheses(c, ranked, pos, h, step_attn):
                 c.backoff[row] = hypo
 
     def _advance(self, c: BeamCohort, ranked: Ranked, h: StepHost, step_attn: Optional[Tensor]) -> None:
@@ -475,12 +457,10 @@ class StreamBeamGenerator(SequenceGenerator):
                                 torch.from_numpy(stepped).to(dev))
 
     def _block_lprobs(self, c: BeamCohort, live: LiveRows) -> Tensor:
-        """Log-probs [N, V] of the live rows through `BlockDecoder`, as blocks of one token over the
-        cohort's cache: rows of a ragged cohort at their own positions (fairseq's incremental
-        decoder takes one position for the whole batch, the prefix width), and with lean layers,
-        every cohort, over encoder keys cached once per source (lean_layer.SourceGroups). The
-        scores are fairseq's `EnsembleModel.forward_decoder`'s (temperature, normalized
-        log-probs, the ensemble's log-mean-exp)."""
+        """Log-probs [N, V] of the live rows through `BlockDecoder`, as one-token blocks over the
+        cohort's cache: ragged rows at their own positions (fairseq's incremental decoder takes one
+        position for the whole batch) and, with lean layers, over encoder keys cached per source.
+        The scores are fairseq's `EnsembleModel.forward_decoder`'s."""
         tokens = live.tokens[:, -1:]
         if c.ragged:
             positions = c.src.steps.t.index_select(0, live.src).unsqueeze(1)  # type: ignore[union-attr]
@@ -509,23 +489,22 @@ class StreamBeamGenerator(SequenceGenerator):
         return lprobs
 
     def _tidy_ragged(self, c: BeamCohort) -> None:
-        """After a ragged step: drop the token columns and the cache slots no source reaches any
-        more. Every row's slots end at the cache's last slot (rows step together; a joining row
-        has none yet), so all but the furthest source's `top` last slots are masked in every row
-        and are cut off as a view."""
+        """After a ragged step: drop the token columns and cache slots no source reaches any more.
+        Every row's slots end at the cache's last slot, so all but the furthest source's `top` last
+        slots are masked in every row and are cut off as a view."""
         top = int(c.src.steps.h.max())
         if top < c.steps:
             b = c.beams
-            c.beams = Beams(tokens=b.tokens[:, b.tokens.size(1) - top - 1:], cum=b.cum[:, b.cum.size(1) - top:],
-                            src=b.src, live=b.live, state=b.state)
+            c.beams = replace(b, tokens=b.tokens[:, b.tokens.size(1) - top - 1:], cum=b.cum[:, b.cum.size(1) - top:])
             c.steps = top
         if c.live_h.any() and c.cache.length > top:
             c.cache.truncate(top, last=True)
 
-    def _hypotheses(self, c: BeamCohort, ranked: Ranked, pos: np.ndarray, h: StepHost, attn: Optional[Tensor] = None):
+    def _hypotheses(self, c: BeamCohort, ranked: Ranked, pos: np.ndarray, h: StepHost, step_attn: Optional[Tensor]):
         """fairseq hypothesis dicts (tokens end with EOS) of ranked candidates at flat positions
-        `pos`, as (window row, hypothesis) pairs; `attn` [F, L + 1, S] their attention histories
-        (--print-alignment), returned in the sample's layout."""
+        `pos`, as (window row, hypothesis) pairs; with --print-alignment, with their attention in
+        the sample's layout."""
+        attn = self._child_attn(c, h, step_attn, pos)
         b, s, R = c.beams, c.src, h.final.shape[1]
         dev = b.src.device
         parents = h.parent.reshape(-1)[pos]
@@ -572,8 +551,8 @@ def _widen(b: Beams, length: int, pad: int) -> Beams:
     extra = length + 1 - b.tokens.size(1)
     if extra == 0:
         return b
-    return Beams(tokens=torch.cat([b.tokens.new_full((b.rows, extra), pad), b.tokens], 1),
-                 cum=torch.cat([b.cum.new_zeros(b.rows, extra), b.cum], 1), src=b.src, live=b.live, state=b.state)
+    return replace(b, tokens=torch.cat([b.tokens.new_full((b.rows, extra), pad), b.tokens], 1),
+                   cum=torch.cat([b.cum.new_zeros(b.rows, extra), b.cum], 1))
 
 
 def _full_precision(model) -> bool:

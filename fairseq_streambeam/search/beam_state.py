@@ -13,12 +13,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..runtime.rows import Rows
 from .finalize import Ranked
 from .pruning import Pruning
 
 
 @dataclass
-class Beams:
+class Beams(Rows):
     """tokens [N, L+1] (BOS first); cum [N, L] cumulative score after each token; src [N]
     cohort-local source index; live [N] (False: finished row carried by the sticky rule);
     state [N] a scorer's per-candidate state (LMBR history row), or None without scorer."""
@@ -50,29 +51,17 @@ class Beams:
             return self.cum.new_zeros(self.rows)
         return self.cum[:, -1]
 
-    @staticmethod
-    def cat(parts: list[Beams], src_offsets: list[int]) -> Beams:
-        return Beams(
-            tokens=torch.cat([p.tokens for p in parts]),
-            cum=torch.cat([p.cum for p in parts]),
-            src=torch.cat([p.src + off for p, off in zip(parts, src_offsets)]),
-            live=torch.cat([p.live for p in parts]),
-            state=None if parts[0].state is None else torch.cat([p.state for p in parts]),  # type: ignore[misc]
-        )
-
 
 def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: Pruning, ranked: int, eos: int,
                     pad: int, like_fairseq: bool = False) -> Ranked:
     """Rank each source's candidates: children of live rows (at most M per parent) and, for
     finished rows, the row itself carried over unchanged (token `pad`).
 
-    Two stages: top-c children per parent ([N_live, V] -> [N_live, c]), then top-R over the
-    source's parents ([B, k*c]); the top-R set equals that of one top-k over all parents x vocab.
-    `like_fairseq` (fixed beams, fairseq's rule): when every source has one live row (first step)
-    or k, rank with fairseq's own call instead (BeamSearch.step: one top-R over each source's
-    rows x vocabulary), so that equal scores come in fairseq's order. topk orders ties
-    arbitrarily, and ties are common in half precision (log-probs of rounded logits); the two
-    stages would pick other tied candidates than fairseq.
+    Two stages: top-c children per parent, then top-R over the source's parents ([B, k*c]); the
+    top-R set equals that of one top-k over all parents x vocab. `like_fairseq` (fixed beams,
+    fairseq's rule): when every source has 1 or k live rows, rank with fairseq's own call
+    (BeamSearch.step: one top-R over each source's rows x vocabulary), so that ties (common in half
+    precision) come in fairseq's order; topk orders ties arbitrarily, and two stages pick others.
     """
     k = pruning.beam_size
     c = pruning.children_per_parent(ranked, live_lprobs.size(1))

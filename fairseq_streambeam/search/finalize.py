@@ -34,14 +34,10 @@ class FairseqFinalize:
     (while fewer than k are final); the first k non-EOS candidates continue; a source is done with k
     finished hypotheses or at its maximum length."""
 
-    name = "fairseq"
-
     def __init__(self, beam_size: int):
         self.k = beam_size
         self.target = beam_size  # finished hypotheses that end a source
-
-    def ranked_per_source(self) -> int:
-        return 2 * self.k
+        self.ranked = 2 * beam_size  # candidates ranked per source
 
     def decide(self, r: Ranked, n_final: Tensor) -> tuple[Tensor, Tensor]:
         k = self.k
@@ -54,20 +50,15 @@ class FairseqFinalize:
 
 
 class StickyFinalize:
-    """The paper's rule (Yang et al. 2020): a candidate that ends stays on the beam with its score
-    frozen and is final only when it becomes the top candidate of its source; a source keeps at most
-    k - (finished) candidates and is done once `finish_count` (z) hypotheses are final. z defaults to
-    k, as in the authors' runs (`find_top_z = k`): with z = 1 a source stops at its first final
-    hypothesis, before others that may score better after length normalization have finished."""
-
-    name = "sticky"
+    """The paper's rule (Yang et al. 2020): a candidate that ends stays on the beam, score frozen,
+    and is final only once it is its source's top candidate; a source keeps at most k - (finished)
+    candidates and is done once `finish_count` (z; k by default, as in the authors' runs) are final.
+    A smaller z stops before hypotheses that may score better after length normalization finish."""
 
     def __init__(self, beam_size: int, finish_count: Optional[int] = None):
         self.k = beam_size
         self.target = finished_per_source("sticky", beam_size, finish_count)
-
-    def ranked_per_source(self) -> int:
-        return self.k
+        self.ranked = beam_size
 
     def decide(self, r: Ranked, n_final: Tensor) -> tuple[Tensor, Tensor]:
         rank = torch.arange(r.scores.size(1), device=r.scores.device)

@@ -1,9 +1,7 @@
 """fairseq's own per-step log-prob adjustments, applied to a cohort's live rows at once.
 
-Same order and values as `SequenceGenerator._generate`: NaN -> -inf, never pad, unk penalty,
-forced EOS at the maximum length, prefix tokens, else minimum length and suppressed tokens, then
-n-gram repeat blocking. The maximum length is per source (see `source_max_len`), so results never
-depend on batch padding.
+Same order and values as `SequenceGenerator._generate`, except that the maximum length is per
+source (`source_max_len`), so results never depend on batch padding.
 """
 
 from __future__ import annotations
@@ -26,14 +24,8 @@ class FairseqPenalties:
     suppress: Optional[Tensor] = None  # token ids never generated
     no_repeat_ngram: int = 0  # --no-repeat-ngram-size n (0 = off)
 
-    def __call__(
-        self,
-        lprobs: Tensor,
-        step: int,
-        at_max_len: Optional[Tensor],
-        prefix: Optional[Tensor],
-        tokens: Optional[Tensor] = None,
-    ) -> Tensor:
+    def __call__(self, lprobs: Tensor, step: int, at_max_len: Optional[Tensor], prefix: Optional[Tensor],
+                 tokens: Tensor) -> Tensor:
         """lprobs [N, V] for live rows at decoding step `step` (0-based). `at_max_len` [N] bool
         (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
         None when past every prefix; `tokens` [N, step + 1] the rows' prefixes (BOS first), read
@@ -47,14 +39,13 @@ class FairseqPenalties:
             chosen = lprobs.gather(1, prefix.unsqueeze(1))
             masked = torch.full_like(lprobs, -math.inf).scatter_(1, prefix.unsqueeze(1), chosen)
             lprobs = torch.where(forced.unsqueeze(1), masked, lprobs)
-        if self.no_repeat_ngram and tokens is not None:
+        if self.no_repeat_ngram:
             block_repeated_ngrams(lprobs, tokens, self.no_repeat_ngram)
         return lprobs
 
-    # fairseq's order is NaN, pad, unk, max length, then prefix or (min length, suppressed). Every
-    # adjustment but the unk penalty only writes -inf (or keeps the EOS column), and -inf - penalty
-    # is -inf, so the row-wide and the column adjustments give the same values in either order:
-    # a top-1 caller may apply the cheap column writes first and the row-wide passes only if needed.
+    # Every adjustment but the unk penalty only writes -inf (or keeps the EOS column), and -inf -
+    # penalty is -inf: the row-wide and the column adjustments commute, so a top-1 caller may apply
+    # the cheap column writes first and the row-wide passes only if needed.
 
     def fix_rows(self, lprobs: Tensor, at_max_len: Optional[Tensor]) -> None:
         """The adjustments that read and write every entry: NaN -> -inf (fairseq's
@@ -69,9 +60,8 @@ class FairseqPenalties:
     def fix_columns(self, lprobs: Tensor, step: int, before_min_len: Optional[Tensor] = None,
                     free: bool = True) -> None:
         """The adjustments that write a few columns: never pad, the unk penalty and, for rows not
-        forced to a prefix token (`free`), no EOS before the minimum length and never a suppressed
-        token. Rows at different steps (aggressive decoding's blocks) pass `before_min_len` [N]
-        instead of relying on `step`."""
+        forced to a prefix token (`free`), no EOS before the minimum length and no suppressed token.
+        Rows at different steps pass `before_min_len` [N] instead of relying on `step`."""
         lprobs.select(1, self.pad).fill_(-math.inf)  # lprobs[:, pad] = -inf, without indexing's slow path
         if self.unk_penalty:
             lprobs[:, self.unk] -= self.unk_penalty

@@ -12,21 +12,13 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Pruning:
-    """k: most candidates a source keeps; delta: drop candidates whose cumulative log-prob is more
-    than delta below the best candidate or finished hypothesis of the source; max_cands (M): most
-    children taken from one parent per step."""
+    """k: most candidates a source keeps; delta: drop candidates more than delta below the source's
+    best candidate or finished hypothesis; max_cands (M): most children of one parent per step.
+    The values are checked by spec.DecodeSpec."""
 
     beam_size: int
     delta: float = math.inf
     max_cands: int = 0  # 0 = unlimited
-
-    def __post_init__(self) -> None:
-        if self.beam_size < 1:
-            raise ValueError(f"beam size must be >= 1, got {self.beam_size}")
-        if not self.delta > 0:
-            raise ValueError(f"--prune-abs-threshold (delta) must be > 0, got {self.delta}")
-        if self.max_cands < 0:
-            raise ValueError(f"--prune-max-cands (M) must be >= 0 (0 = unlimited), got {self.max_cands}")
 
     @property
     def is_fixed(self) -> bool:
