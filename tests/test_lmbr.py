@@ -21,7 +21,7 @@ from helpers import (
 )
 
 from fairseq_streambeam import Budget
-from fairseq_streambeam.scorers.build_posteriors import posteriors, read_nbest
+from fairseq_streambeam.scorers.build_posteriors import posteriors, read_evidence
 from fairseq_streambeam.scorers.lmbr import MAX_ORDER, LMBRScorer, Theta, load_posteriors, write_posteriors
 
 
@@ -292,7 +292,7 @@ def test_posteriors_from_nbest_and_file_round_trip(tmp_path):
     nbest = tmp_path / "gen.out"
     # two entries for sentence 3 with log2 scores -1 and -2: p = 2/3 and 1/3
     nbest.write_text("S-3\tx\nH-3\t-1.0\tw1 w2\nH-3\t-2.0\tw1 w3\nH-5\t-0.5\tw2\n")
-    ev = read_nbest(str(nbest))
+    ev = read_evidence(str(nbest), "fairseq")
     assert set(ev) == {3, 5} and ev[3][0][1] == ["w1", "w2"]
     d = make_dict(5)
     post = posteriors([(s, [d.index(t) for t in toks]) for s, toks in ev[3]])

@@ -1,13 +1,11 @@
 """Training criterion of the GAD block drafter: `--criterion block_drafting`.
 
-Each sentence contributes `blocks_per_sentence` blocks at random prefix lengths (sharing one encoder
-pass). Glancing (GLAT, Qian et al. 2021, as used by Ge et al. 2022): a first pass without gradient
-counts each block's wrong predictions; that many times `glance_ratio` mask slots are replaced by
-their gold tokens, and the loss is label-smoothed cross-entropy on the remaining mask slots.
-Sequence-level distillation is in the data: train on the AR model's own outputs (train_drafter.sh).
-(No `from __future__ import annotations`: fairseq reads the config dataclass field types at runtime.)
+Each sentence gives `blocks_per_sentence` blocks at random prefix lengths (one encoder pass).
+Glancing (GLAT, Qian et al. 2021, as in Ge et al. 2022): a pass without gradient counts each
+block's wrong predictions; `glance_ratio` times that many mask slots get their gold tokens, and the
+loss is label-smoothed cross-entropy on the other mask slots. Distillation is in the data
+(train_drafter.sh). No `from __future__ import annotations`: fairseq reads the config's field types.
 """
-
 
 from dataclasses import dataclass, field
 

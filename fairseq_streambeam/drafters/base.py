@@ -40,3 +40,13 @@ class Drafter(Protocol):
 
     def merge(self, a: Any, b: Any) -> Any:
         """Rows of a, then rows of b."""
+
+
+class RowListDrafter:
+    """`select` and `merge` of a drafter whose state is a list with one item per row."""
+
+    def select(self, state: list, keep: List[int]) -> list:
+        return [state[i] for i in keep]
+
+    def merge(self, a: list, b: list) -> list:
+        return a + b

@@ -1,15 +1,11 @@
 """GAD drafter (Ge et al. 2022): a `block_drafter` model drafts the next k tokens of every row in
-one parallel pass.
-
-The drafter keeps its own incremental cache of each row's accepted prefix: every pass feeds the
-tokens accepted since the previous pass (causal, like the AR decoder) followed by k mask slots
-(bidirectional), takes the argmax at the mask slots, and cuts the mask slots off the cache again.
-The source is encoded once per row, the first time its cohort drafts.
-"""
+one parallel pass. It keeps its own cache of each row's accepted prefix: a pass feeds the tokens
+accepted since the last one (causal) and k mask slots (bidirectional), takes the argmax at the mask
+slots and cuts them off the cache again. A row's source is encoded when its cohort first drafts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Tuple
 
 import torch
@@ -22,20 +18,15 @@ from ..runtime.lean_encoder import encode
 
 @dataclass
 class ModelDraftState:
-    """Drafter state of one cohort of rows. Built lazily: the sources are encoded and the cache is
-    filled the first time the cohort drafts (with the draft switch a cohort may never draft)."""
+    """Drafter state of one cohort of rows, built (sources encoded, prefixes cached: `cache.built`)
+    when it first drafts: with the draft switch a cohort may never draft."""
 
     rows: List[int]  # window rows (sources) in this cohort, in order
     pending: List[List[int]]  # accepted tokens not yet fed to the drafter, per row (starts as [BOS])
     fed: List[int]  # tokens fed so far per row = target position of the next fed token
     cache: KVCache  # the drafter decoder's cache
-    srcs: Any = None  # the window's sources (generators.common.Sources), to build the cohort from
-    outs: List[List[int]] = field(default_factory=list)  # the rows' outputs so far (to rebuild the cache)
-
-    @property
-    def built(self) -> bool:
-        """Sources encoded and prefixes cached (an empty cache: not yet, or dropped)."""
-        return self.cache.built
+    srcs: Any  # the window's sources (generators.common.Sources), to build the cohort from
+    outs: List[List[int]]  # the rows' outputs so far (to rebuild the cache)
 
 
 class ModelDrafter:
@@ -86,7 +77,7 @@ class ModelDrafter:
         pos = pos.clamp(max=self.max_pos - 1)
         top = int(pos.max())
         pos = pos.to(dev)
-        if g.built:
+        if g.cache.built:
             enc = stand_in(self.model, n, dev)[0]
         else:  # the first pass of this cohort caches the cross-attention keys
             enc = encode(self.model.encoder, g.srcs.subset_input(g.rows))
@@ -105,7 +96,7 @@ class ModelDrafter:
         g.cache.compact_if_sparse(max(g.fed) + 1)
 
     def select(self, g: ModelDraftState, keep: List[int]) -> ModelDraftState:
-        if g.built:
+        if g.cache.built:
             dev = next(self.model.parameters()).device
             g.cache.select(torch.tensor(keep, dtype=torch.long, device=dev))
         g.rows = [g.rows[i] for i in keep]
@@ -118,11 +109,11 @@ class ModelDrafter:
         """`b` entered after `a`. A new cohort left unbuilt did not draft in its first pass (the draft
         switch was off): then `a` drops its cache rather than build `b`'s, and the merged cohort is
         built again when it next drafts; a new cohort that drafted has `a` built too."""
-        if a.built and not b.built:
+        if a.cache.built and not b.cache.built:
             self._drop(a)
-        elif b.built and not a.built:
+        elif b.cache.built and not a.cache.built:
             self._feed(a, 0)
-        if a.built:
+        if a.cache.built:
             a.cache = KVCache.cat([a.cache, b.cache])
         a.rows, a.pending, a.fed = a.rows + b.rows, a.pending + b.pending, a.fed + b.fed
         a.outs = a.outs + b.outs

@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple
 
 from torch import Tensor
 
-from .base import pad_drafts
+from .base import RowListDrafter, pad_drafts
 
 
 @dataclass
@@ -25,15 +25,14 @@ class CopyState:
 AUTO_BATCHED_BLOCK = 8  # batched rows pay for the widest draft: a cap (docs/benchmarks.md); a lone row is uncapped
 
 
-class InputCopyDrafter:
+class InputCopyDrafter(RowListDrafter):
     """`block_size` caps the draft; 0 = automatic: the whole remaining source for a lone row (the
-    paper), `AUTO_BATCHED_BLOCK` tokens when rows are batched, where every row pays for the widest
-    draft of the pass."""
+    paper), `AUTO_BATCHED_BLOCK` tokens when rows are batched (every row pays for the widest draft).
+    `vocab_map`: the target id of each source id when the dictionaries differ (drafts are target
+    tokens), else None."""
 
     def __init__(self, ngram: int = 2, block_size: int = 0, guess_edits: bool = True,
                  vocab_map: Optional[List[int]] = None):
-        """`vocab_map`: target id of each source id, for a model whose dictionaries differ (drafts
-        are target tokens); None when they are one dictionary."""
         if ngram < 1:
             raise ValueError(f"--iad-ngram must be >= 1, got {ngram}")
         if block_size < 0:
@@ -57,23 +56,16 @@ class InputCopyDrafter:
         for st, acc in zip(state, accepted):
             self.update(st, acc)
 
-    def select(self, state: List[CopyState], keep: List[int]) -> List[CopyState]:
-        return [state[i] for i in keep]
-
-    def merge(self, a: List[CopyState], b: List[CopyState]) -> List[CopyState]:
-        return a + b
-
     # ---- one row ----
 
     def start(self, src: List[int]) -> CopyState:
         m = self.vocab_map
-        return CopyState(list(src) if m is None else [m[i] for i in src], 0)
+        return CopyState(list(src) if m is None else [m[i] for i in src])
 
     def draft(self, st: CopyState, batched: bool = False, cap: Optional[int] = None) -> List[int]:
-        """The source from the aligned position, at most `cap` tokens; it is the draft `update`
-        then checks. An unaligned row in a batch drafts from its guess instead: its slots are paid
-        for anyway (the block is as wide as the widest draft), while a lone row would pay for them,
-        so it drafts nothing until an n-gram realigns it."""
+        """The source from the aligned position, at most `cap` tokens (the draft `update` checks). An
+        unaligned row in a batch drafts from its guess: its slots are paid for anyway (the block is as
+        wide as the widest draft); a lone row drafts nothing until an n-gram realigns it."""
         pos, st.from_guess = st.pos, False
         if pos is None and batched and self.guess_edits and st.guess is not None:
             pos, st.from_guess = st.guess, True
@@ -81,8 +73,7 @@ class InputCopyDrafter:
             st.last = []
             return st.last
         size = self.block_size or (AUTO_BATCHED_BLOCK if batched else 0)
-        end = len(st.src) if not size else min(len(st.src), pos + size)
-        st.last = st.src[pos:end][:cap]
+        st.last = st.src[pos:pos + size if size else None][:cap]
         return st.last
 
     def update(self, st: CopyState, accepted: List[int]) -> None:
@@ -111,7 +102,5 @@ class InputCopyDrafter:
         """Where the source continues after `tail` (the output's last tokens), if they occur
         exactly once in it."""
         n = len(tail)
-        if n == 0:
-            return None
         hits = [i for i in range(len(src) - n + 1) if src[i:i + n] == tail]
         return hits[0] + n if len(hits) == 1 else None

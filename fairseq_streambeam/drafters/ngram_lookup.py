@@ -1,12 +1,10 @@
 """Lookup drafter for GAD: drafts from n-gram statistics instead of a drafter model.
 
-A draft continues the row's output with (1) what followed the output's last two tokens where they
-occurred earlier in the same output (repetition), else (2) the most frequent continuation of its
-longest known context (up to `order` tokens) in a table built from target-side text, best the
-model's own greedy output on training sources (what `scripts/train_drafter.sh --beam 1` writes).
-Drafting costs no model pass and no training; verification keeps the output exactly greedy's.
-The first draft token is right less often than with a trained block drafter, but a pass costs
-little more than one without drafts (docs/benchmarks.md)."""
+A draft continues the row's output with (1) what followed the output's last two tokens earlier in
+the same output, else (2) the most frequent continuation of its longest known context (up to
+`order` tokens) in a table built from target-side text, best the model's own greedy output on
+training sources (`scripts/train_drafter.sh --beam 1`). No model pass, no training; a pass costs
+little more than one without drafts, and verification keeps the output greedy's (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from typing import Iterable, List, Optional, Tuple
 import numpy as np
 from torch import Tensor
 
-from .base import pad_drafts
+from .base import RowListDrafter, pad_drafts
 
 SELF_CONTEXT = 2  # tokens of the output's tail looked up earlier in the same output
 # Defaults chosen by simulated tokens per pass (docs/benchmarks.md): longer drafts add little,
@@ -39,17 +37,10 @@ class NgramTable:
             raise ValueError(f"n-gram order must be >= 1, got {order}")
         if float(vocab) ** order >= 2.0 ** 62:
             raise ValueError(f"a {order}-token context of a {vocab}-word vocabulary does not fit in 62 bits")
-        parts, starts, pos = [], [], 0
-        for s in seqs:
-            parts.append([bos, *s])
-            starts.append(pos)
-            pos += len(s) + 1
-        flat = np.fromiter((t for p in parts for t in p), dtype=np.int64, count=pos)
-        offset = np.zeros(pos, dtype=np.int64)  # position within its sequence
-        if parts:
-            first = np.zeros(pos, dtype=np.int64)
-            first[np.array(starts)] = np.array(starts)
-            offset = np.arange(pos) - np.maximum.accumulate(first)
+        parts = [[bos, *s] for s in seqs]
+        lens = np.array([len(p) for p in parts], dtype=np.int64)
+        flat = np.fromiter((t for p in parts for t in p), dtype=np.int64, count=int(lens.sum()))
+        offset = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)  # position within its sequence
         keys, nexts = [], []
         for n in range(1, order + 1):
             at = np.nonzero(offset >= n)[0]  # positions with n tokens of context in their sequence
@@ -75,7 +66,7 @@ class NgramTable:
         index, unk, eos = dictionary.indices, dictionary.unk(), dictionary.eos()
         with p.open(encoding="utf-8") as f:  # Dictionary.encode_line's split, 10x faster without tensors
             seqs = [[index.get(w, unk) for w in line.split()] + [eos] for line in f]
-        return cls.from_sequences(seqs, len(dictionary), dictionary.eos(), order)
+        return cls.from_sequences(seqs, len(dictionary), eos, order)
 
     def next(self, context: List[int]) -> Optional[int]:
         """The most frequent token after the longest known tail of `context`."""
@@ -90,7 +81,7 @@ class NgramTable:
         return None
 
 
-class LookupDrafter:
+class LookupDrafter(RowListDrafter):
     """Drafter (drafters.base interface) over an `NgramTable`; its state is each row's output."""
 
     def __init__(self, table: NgramTable, bos: int, eos: int, block_size: int = LOOKUP_BLOCK):
@@ -109,12 +100,6 @@ class LookupDrafter:
     def advance(self, state: List[List[int]], accepted: List[List[int]]) -> None:
         for out, acc in zip(state, accepted):
             out += acc
-
-    def select(self, state: List[List[int]], keep: List[int]) -> List[List[int]]:
-        return [state[i] for i in keep]
-
-    def merge(self, a: List[List[int]], b: List[List[int]]) -> List[List[int]]:
-        return a + b
 
     def draft(self, out: List[int], k: int) -> List[int]:
         if k <= 0 or (out and out[-1] == self.eos):

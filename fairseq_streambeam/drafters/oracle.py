@@ -1,8 +1,7 @@
-"""The two bounds of drafting, for the benchmark. `OracleDrafter` knows the answer: it drafts each
-source's known output (e.g. greedy decoding's), so every draft token is accepted; timing aggressive
-decoding with it bounds what any drafter could reach with the same verifier, block size and
-hardware (method `gad-oracle`). `NoDrafter` drafts nothing, so the generator decodes one token per
-pass: its own cost as a greedy decoder, without drafting (method `no-draft`)."""
+"""The two bounds of drafting, for the benchmark. `OracleDrafter` drafts each source's known output
+(e.g. greedy decoding's), so every draft token is accepted: the bound of any drafter with the same
+verifier, block size and hardware (method `gad-oracle`). `NoDrafter` drafts nothing: the generator's
+own cost as a greedy decoder, one token per pass (method `no-draft`)."""
 
 from __future__ import annotations
 
@@ -10,30 +9,24 @@ from typing import Dict, List, Tuple
 
 from torch import Tensor
 
-from .base import pad_drafts
+from .base import RowListDrafter, pad_drafts
 
 
-class NoDrafter:
+class NoDrafter(RowListDrafter):
     """Drafts nothing: every pass verifies only the row's last token (greedy decoding, one token per pass)."""
 
-    def open(self, srcs, rows: List[int]) -> int:
+    def open(self, srcs, rows: List[int]) -> List[List[int]]:
         self.pad, self.device = srcs.pad, srcs.device
-        return len(rows)  # the state: how many rows
+        return [[] for _ in rows]  # the state: an empty draft per row
 
-    def propose(self, state: int, caps: List[int]) -> Tuple[Tensor, List[int]]:
-        return pad_drafts([[] for _ in range(state)], self.pad, self.device)
+    def propose(self, state: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
+        return pad_drafts(state, self.pad, self.device)
 
-    def advance(self, state: int, accepted: List[List[int]]) -> None:
+    def advance(self, state: List[List[int]], accepted: List[List[int]]) -> None:
         pass
 
-    def select(self, state: int, keep: List[int]) -> int:
-        return len(keep)
 
-    def merge(self, a: int, b: int) -> int:
-        return a + b
-
-
-class OracleDrafter:
+class OracleDrafter(RowListDrafter):
     """Drafts the known output, at most `block_size` tokens per pass."""
 
     def __init__(self, truth: Dict[Tuple[int, ...], List[int]], block_size: int):
@@ -53,9 +46,3 @@ class OracleDrafter:
     def advance(self, state: List[List[int]], accepted: List[List[int]]) -> None:
         for rest, acc in zip(state, accepted):
             del rest[:len(acc)]
-
-    def select(self, state: List[List[int]], keep: List[int]) -> List[List[int]]:
-        return [state[i] for i in keep]
-
-    def merge(self, a: List[List[int]], b: List[List[int]]) -> List[List[int]]:
-        return a + b

@@ -1,12 +1,10 @@
 """The GAD block drafter (Ge et al. 2022): `--arch block_drafter`, a fairseq transformer whose
-decoder reads the source, a target prefix and k mask slots, and predicts the next k target tokens
-in one parallel pass.
+decoder predicts the next k target tokens in one parallel pass.
 
-Decoder input of one row: [BOS y1 .. yt] (causal, exactly as in the AR decoder, so an incremental
-cache of the prefix can be kept) followed by k mask slots that see the whole prefix and each other
-(`runtime.block_step.block_attn_mask`). The mask token is the dictionary's <unk>, so the drafter's
-dictionary stays identical to the verifier's. Weights can start from the AR model (`--init-from`):
-training then starts from its encoder, embeddings and decoder layers instead of from scratch.
+Decoder input of one row: [BOS y1 .. yt] (causal as in the AR decoder, so the prefix can be cached)
+then k mask slots that see the whole prefix and each other (`runtime.block_step.block_attn_mask`).
+The mask token is <unk>, so the drafter's dictionary stays the verifier's. `--init-from` starts
+training from an AR model's weights.
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ class BlockDrafterModel(TransformerModel):
 
     def draft_logits(self, encoder_out, tokens: Tensor, positions: Tensor, block_pad: Tensor, k: int,
                      state=None, max_position: Optional[int] = None, block: Optional[BlockDecoder] = None) -> Tensor:
-        """Logits [N, k, V] at the last k slots (the mask slots) of the block `tokens` [N, m]
-        (`max_position`: see runtime.block_step.BlockDecoder; `block`: this model's decoder's
-        BlockDecoder, kept by a caller that drafts many times)."""
+        """Logits [N, k, V] at the mask slots (the last k) of the block `tokens` [N, m]; `block`: this
+        decoder's BlockDecoder, kept by a caller that drafts many times."""
         block = block or BlockDecoder(self.decoder)
         return block(tokens, positions, encoder_out, state, block_pad, tail=k, logits_for_tail=True,
                      max_position=max_position)
@@ -114,19 +111,16 @@ def init_from_checkpoint(model: torch.nn.Module, path: str) -> Tuple[int, int]:
     return len(take), len(own) - len(take)
 
 
-def training_blocks(target: Tensor, pad: int, bos: int, mask: int, k: int,
-                    prefix_len: Optional[Tensor] = None, generator: Optional[torch.Generator] = None):
-    """Build drafter inputs from gold targets [B, T] (y1..yn EOS, right-padded).
-
-    Each row gets a prefix length t in [0, n-1] (random unless `prefix_len` is given). Returns
-    tokens [B, P + k] = [BOS y1..yt, pad.., MASK x k], positions [B, P + k], block_pad [B, P + k],
-    and labels [B, k] = y_{t+1}..y_{t+k} (pad past the row's end).
-    """
+def training_blocks(target: Tensor, pad: int, bos: int, mask: int, k: int, prefix_len: Optional[Tensor] = None):
+    """Drafter inputs from gold targets [B, T] (y1..yn EOS, right-padded), at a prefix length t in
+    [0, n-1] per row (random unless `prefix_len` is given): tokens [B, P + k] = [BOS y1..yt, pad..,
+    MASK x k], positions and block_pad [B, P + k], and labels [B, k] = y_{t+1}..y_{t+k} (pad past
+    the row's end)."""
     b, t_max = target.shape
     dev = target.device
     n = target.ne(pad).sum(1)
     if prefix_len is None:
-        u = torch.rand(b, generator=generator).to(dev)
+        u = torch.rand(b).to(dev)
         prefix_len = (u * n.to(u.dtype)).long().clamp(max=n - 1)
     p = int(prefix_len.max()) + 1
     cols = torch.arange(p, device=dev)

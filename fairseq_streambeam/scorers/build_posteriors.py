@@ -5,12 +5,11 @@ Evidence, one file per system (several files = system combination):
   fairseq   fairseq-generate output with --nbest N: `H-<id>\\t<log2 score>\\t<hypothesis>` lines;
   moses     Moses n-best lists: `id ||| hypothesis ||| features ||| score` (more fields may follow);
   text      one hypothesis per line, `--n N` lines per source, no scores (uniform weights).
-Hypotheses are split on spaces into the target dictionary's units, or, with --tokenizer / --bpe,
-segmented as raw text by fairseq's encoders with the model's own options, so the n-grams match
-what the decoder emits. Per source and system, entry i gets p_i = exp(alpha * score_i) / Z (uniform
-without scores); an n-gram u (orders 1..4, EOS appended to every entry) gets
-P_s(u) = sum of p_i over the entries that contain u; systems are mixed as P(u) = sum_s w_s P_s(u)
-over the systems that have the source. Output: JSON lines read by --lmbr-posteriors.
+Hypotheses are split on spaces into dictionary units, or segmented as raw text by fairseq's
+--tokenizer / --bpe (the model's own options, so the n-grams match what the decoder emits). Entry i
+of a source gets p_i = softmax(alpha * score_i) (uniform without scores); an n-gram u (orders 1..4,
+EOS appended) gets P_s(u) = sum of p_i over the entries containing u, and P(u) = sum_s w_s P_s(u)
+over the systems that have the source (weights normalized). Output: JSON lines for --lmbr-posteriors.
 
   python -m fairseq_streambeam.scorers.build_posteriors --nbest gen.out --dict dict.en.txt --out post.jsonl
 """
@@ -35,16 +34,12 @@ H_LINE = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
 FORMATS = ("auto", "fairseq", "moses", "text")
 
 Entry = Tuple[Optional[float], List[str]]  # (natural-log score or None, hypothesis as text units)
+IdEntry = Tuple[Optional[float], List[int]]  # the same in dictionary ids
+Raw = Dict[int, List[Tuple[Optional[float], str]]]  # sentence id -> [(score or None, hypothesis line)]
 
 
 class EvidenceError(ValueError):
     """A malformed evidence file or option; the CLI prints it as one line."""
-
-
-def read_nbest(path: str) -> Dict[int, List[Tuple[float, List[str]]]]:
-    """sentence id -> [(natural-log score, tokens)] from fairseq-generate output."""
-    return {sid: [(s, text.split()) for s, text in entries]  # type: ignore[misc]
-            for sid, entries in _read_fairseq(path).items()}
 
 
 def _lines(path: str) -> List[str]:
@@ -54,8 +49,8 @@ def _lines(path: str) -> List[str]:
         raise EvidenceError(f"{path}: cannot read ({e})") from e
 
 
-def _read_fairseq(path: str) -> Dict[int, List[Tuple[Optional[float], str]]]:
-    out: Dict[int, List[Tuple[Optional[float], str]]] = defaultdict(list)
+def _read_fairseq(path: str) -> Raw:
+    out: Raw = defaultdict(list)
     for ln, line in enumerate(_lines(path), 1):
         m = H_LINE.match(line)
         if m:
@@ -69,8 +64,8 @@ def _read_fairseq(path: str) -> Dict[int, List[Tuple[Optional[float], str]]]:
     return dict(out)
 
 
-def _read_moses(path: str) -> Dict[int, List[Tuple[Optional[float], str]]]:
-    out: Dict[int, List[Tuple[Optional[float], str]]] = defaultdict(list)
+def _read_moses(path: str) -> Raw:
+    out: Raw = defaultdict(list)
     for ln, line in enumerate(_lines(path), 1):
         if not line.strip():
             continue
@@ -87,7 +82,7 @@ def _read_moses(path: str) -> Dict[int, List[Tuple[Optional[float], str]]]:
     return dict(out)
 
 
-def _read_text(path: str, n: Optional[int]) -> Dict[int, List[Tuple[Optional[float], str]]]:
+def _read_text(path: str, n: Optional[int]) -> Raw:
     if not n or n < 1:
         raise EvidenceError(f"{path}: plain-text evidence needs --n N (hypotheses per source)")
     lines = _lines(path)
@@ -176,16 +171,14 @@ class Evidence:
     """The evidence of one or more systems in dictionary ids, indexed once so that posteriors for
     another alpha cost one weighted count per source (the tuner rebuilds them per alpha)."""
 
-    def __init__(self, systems: Sequence[Dict[int, List[Tuple[Optional[float], List[int]]]]],
+    def __init__(self, systems: Sequence[Dict[int, List[IdEntry]]],
                  weights: Optional[Sequence[float]] = None, max_order: int = MAX_ORDER):
         if weights is not None and len(weights) != len(systems):
             raise EvidenceError(f"{len(weights)} weights for {len(systems)} evidence files")
         if weights is not None and (any(w < 0 for w in weights) or not sum(weights) > 0):
             raise EvidenceError("system weights must be >= 0 with a positive sum")
-        self.weights = list(weights) if weights is not None else [1.0] * len(systems)
-        self.max_order = max_order
         self.sources: Dict[int, List[Tuple[float, _Source]]] = defaultdict(list)
-        for w, system in zip(self.weights, systems):
+        for w, system in zip([1.0] * len(systems) if weights is None else weights, systems):
             for sid, entries in system.items():
                 if w > 0 and entries:
                     self.sources[sid].append((w, _index(entries, max_order)))
@@ -203,7 +196,7 @@ class Evidence:
         return out
 
 
-def _index(entries: List[Tuple[Optional[float], List[int]]], max_order: int) -> _Source:
+def _index(entries: List[IdEntry], max_order: int) -> _Source:
     gram_id: Dict[NGram, int] = {}
     pg: List[int] = []
     pe: List[int] = []
@@ -217,14 +210,14 @@ def _index(entries: List[Tuple[Optional[float], List[int]]], max_order: int) -> 
     return _Source(len(entries), scores, list(gram_id), np.array(pg, dtype=np.int64), np.array(pe, dtype=np.int64))
 
 
-def posteriors(entries: List[Tuple[Optional[float], List[int]]], alpha: float = 1.0,
+def posteriors(entries: List[IdEntry], alpha: float = 1.0,
                max_order: int = MAX_ORDER) -> Dict[NGram, float]:
     """P(u) = sum_i p_i [u in entry i], p_i = softmax(alpha * score_i), uniform if a score is None."""
     src = _index(entries, max_order)
     return dict(zip(src.grams, src.posteriors(alpha).tolist()))
 
 
-def to_ids(system: Dict[int, List[Entry]], d) -> Tuple[Dict[int, List[Tuple[Optional[float], List[int]]]], int, int]:
+def to_ids(system: Dict[int, List[Entry]], d) -> Tuple[Dict[int, List[IdEntry]], int, int]:
     """Units -> dictionary ids with EOS appended; also the counts of unknown units and of units."""
     out, unknown, total = {}, 0, 0
     for sid, entries in system.items():

@@ -1,23 +1,16 @@
 """LMBR n-gram posterior scorer (Iglesias et al., NAACL 2018; Tromble et al., EMNLP 2008).
 
-Each step, the candidate word w after history h scores
+The paper scores word w after history h as lambda * log P_NMT(w | h, x) + Theta0 + sum_n Theta_n *
+P(last n-gram of h+w | evidence); this scorer adds that divided by lambda, `(Theta0 + sum_n Theta_n P)
+/ lambda`: the same ranking, with scores (and var-batch's pruning threshold delta) in the NMT model's
+log-prob units (docs/lmbr.md).
 
-    lambda * log P_NMT(w | h, x)  +  Theta0  +  sum_{n=1..4} Theta_n * P_LMBR(last n-gram of h+w | evidence)
-
-The scorer adds that score divided by lambda, `log P_NMT + (Theta0 + sum_n Theta_n P) / lambda`: the
-same ranking of candidates and hypotheses (every score is scaled by the same 1/lambda > 0), with
-scores, and so var-batch's and var-stream's absolute pruning threshold delta, in the NMT model's
-log-prob units. Weighing NMT by lambda would scale delta too: at lambda 0.5, delta 1.5 would prune as
-delta 3 does without LMBR.
-
-The matrix of the paper (one row per history, one column per word) is kept sparse: a row per
-history s present in the evidence (all n-grams of order 0..3) holds only its *own* order's entries
-(w, Theta_{|s|+1} * P(s+w)), and knows the rows of its suffixes; a candidate's score sums the rows of
-its history's suffixes (at most 4), so no row repeats the lower orders. Every candidate carries the
-row of the longest suffix of its history present in the evidence; it moves with the candidate
-through beam reordering and refill. Scoring gathers each suffix length's rows padded to that
-length's widest row (the root's unigrams are many, a long history's entries few); advancing looks
-(row, word) up in one sorted array of transitions. Neither synchronizes with the host.
+The paper's matrix (a row per history, a column per word) is kept sparse: a row per history s in the
+evidence (order 0..3) holds only its own order's entries (w, Theta_{|s|+1} * P(s+w)), and a
+candidate's score sums the rows of its history's suffixes (at most 4). A candidate carries the row
+of its history's longest suffix in the evidence. Scoring gathers each suffix length's rows padded to
+that length's widest row; advancing looks (row, word) up in one sorted array of transitions. Neither
+synchronizes with the host.
 """
 
 from __future__ import annotations
@@ -37,17 +30,17 @@ MAX_ORDER = 4
 
 @dataclass(frozen=True)
 class Theta:
-    """Linear-BLEU weights of Tromble et al. (2008): Theta0 = -1/T, Theta_n = 1/(4 T p r^(n-1))."""
+    """Linear-BLEU weights of Tromble et al. (2008) at T = 1: Theta0 = -1, Theta_n = 1/(4 p r^(n-1))."""
 
     theta0: float
     theta: Tuple[float, ...]  # Theta_1..Theta_4
 
     @staticmethod
-    def linear_bleu(p: float = 0.85, r: float = 0.72, T: float = 1.0, theta0: Optional[float] = None) -> Theta:
+    def linear_bleu(p: float = 0.85, r: float = 0.72, theta0: Optional[float] = None) -> Theta:
         if not (0 < p <= 1 and 0 < r <= 1):
             raise ValueError(f"--lmbr-p and --lmbr-r must be in (0, 1], got p={p} r={r}")
-        ths = tuple(1.0 / (4 * T * p * r ** (n - 1)) for n in range(1, MAX_ORDER + 1))
-        return Theta(-1.0 / T if theta0 is None else theta0, ths)
+        ths = tuple(1.0 / (4 * p * r ** (n - 1)) for n in range(1, MAX_ORDER + 1))
+        return Theta(-1.0 if theta0 is None else theta0, ths)
 
 
 def load_posteriors(path: str) -> Dict[int, Dict[NGram, float]]:
@@ -66,11 +59,10 @@ def load_posteriors(path: str) -> Dict[int, Dict[NGram, float]]:
 
 
 class _Table:
-    """Host-side rows of one sentence before they join the device tables (numpy arrays, row ids
-    from `offset`). Rows: the root, then every substring of length 1..3 of an evidence n-gram
-    (closed under substrings, so the longest suffix in the table of h+w is found from the rows of
-    h's suffixes), shorter histories first, so a longer suffix has a larger row id. `weight`
-    multiplies every entry (the scorer's 1 / lambda)."""
+    """Host-side rows of one sentence (numpy, row ids from `offset`): the root, then every substring
+    of length 1..3 of an evidence n-gram (closed under substrings, so h+w's longest suffix is found
+    from the rows of h's suffixes), shorter first, so a longer suffix has a larger row id. `weight`
+    (the scorer's 1 / lambda) multiplies every entry."""
 
     def __init__(self, post: Dict[NGram, float], theta: Theta, offset: int, weight: float = 1.0):
         # closure under substrings, longest first: a substring of g is one of its prefix's or suffix's
@@ -111,12 +103,9 @@ KEY_BASE = 1 << 24
 
 
 class LMBRScorer:
-    """Adds LMBR n-gram posterior scores to a batch of live candidates with one gather and one
-    scatter-add; advances histories with one sorted lookup per suffix length.
-
-    `posteriors` maps sentence id -> {n-gram: posterior}; a sentence without posteriors gets only
-    Theta0. `lam` (lambda > 0) weighs the NMT log-probs against the evidence; the scores are the
-    paper's divided by lambda (see the module's docstring). State per candidate: a row id (long)."""
+    """`posteriors`: sentence id -> {n-gram: posterior} (a sentence without any gets only Theta0);
+    `lam` (lambda > 0) weighs the NMT log-probs against the evidence (the module's docstring).
+    State per candidate: a row id (long)."""
 
     def __init__(self, posteriors: Dict[int, Dict[NGram, float]], theta: Theta, lam: float, pad: int):
         if not lam > 0:
@@ -158,9 +147,7 @@ class LMBRScorer:
         ent_row = np.concatenate([t.ent_row for t in tables])
         trans = ent_next >= 0
         for h in range(MAX_ORDER):
-            at = count[level == h]
-            if at.size:
-                self.width[h] = max(self.width[h], int(at.max()))
+            self.width[h] = max(self.width[h], int(count[level == h].max(initial=0)))
         self._cols = self._columns(device)
 
         def cat(old, new, dtype):
@@ -179,9 +166,9 @@ class LMBRScorer:
         return torch.tensor([t.root for t in tables], dtype=torch.long, device=device)
 
     def _columns(self, device: torch.device) -> Tuple[Tensor, Tensor]:
-        """Per gathered column: the history length whose row it reads, and the entry within the row;
-        each history length gets as many columns as its longest row has entries. Built at
-        admission, so a decoder step uploads nothing."""
+        """Per gathered column: the history length whose row it reads, and the entry within the row
+        (as many columns per length as its longest row has entries). Built at admission, so a
+        decoder step uploads nothing."""
         lvl = torch.cat([torch.full((w,), h, dtype=torch.long) for h, w in enumerate(self.width)])
         span = torch.cat([torch.arange(w) for w in self.width])
         return lvl.to(device), span.to(device)

@@ -69,9 +69,10 @@ class TokenMaskScorer:
         if self.table is None:
             return lprobs
         has = state >= 0
-        toks = self.table[state.clamp(min=0)]  # [N, W]
-        allow = (self.allow[state.clamp(min=0)] & has).unsqueeze(1)
-        ban = (~self.allow[state.clamp(min=0)] & has).unsqueeze(1)
+        row = state.clamp(min=0)
+        toks = self.table[row]  # [N, W]
+        allow = (self.allow[row] & has).unsqueeze(1)
+        ban = (~self.allow[row] & has).unsqueeze(1)
         neg = torch.full_like(lprobs, -math.inf)
         kept = neg.scatter(1, toks, lprobs.gather(1, toks))
         lprobs = torch.where(allow, kept, lprobs)
