@@ -1,18 +1,13 @@
 """Sharded, resumable decoding of large corpora (back-translation, distillation).
 
-The input files are read as one stream of lines and cut into shards of `--shard-lines`. Each
-shard is decoded with the plugin's task (streaming by default) and written as
-`shards/shard-NNNNN.out` plus a record `shard-NNNNN.json` (line range, checksum, counters, bad-input
-counts), each through a temporary file, fsync and rename, so a killed run never leaves a half
-shard that looks done. Re-running the same command skips finished shards and redoes the rest; a
-shard decoded from other input lines, options or checkpoints is decoded again.
-When every shard is done, `output.txt` is merged in input order (exactly one line per input line)
-with `manifest.json`.
+The input files are read as one stream of lines, cut into shards of `--shard-lines` and decoded
+with the plugin's task (streaming by default). Each shard's output and record (line range,
+checksum, counters, bad-input counts) are written atomically; a re-run skips finished shards and
+redoes one decoded from other input lines, options or checkpoints. When every shard is done,
+`output.txt` (one line per input line, in order) and `manifest.json` are merged.
 
-Workers come from a launcher, not from here: under `torchrun --nproc-per-node N` (or a Slurm
-array: SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT) worker r decodes shards r, r+N, ...; with
-torchrun the workers meet at a barrier (gloo) and rank 0 merges; otherwise whichever worker finds
-all shards done merges (merging is idempotent).
+Under torchrun (or a Slurm array) worker r of N decodes shards r, r+N, ...; torchrun's workers
+meet at a gloo barrier and rank 0 merges, otherwise whichever worker finds all shards done merges.
 
   python -m fairseq_streambeam.decode_corpus --input corpus.de --output-dir out \\
       --data DICT_DIR --path model.pt -s de -t en --bpe sentencepiece --sentencepiece-model spm.model
@@ -126,18 +121,20 @@ def shard_key(run: str, lines: List[bytes]) -> str:
     return h.hexdigest()
 
 
-def shard_done(shard_dir: Path, sid: int, rng: Tuple[int, int], key: Optional[str] = None) -> bool:
+def _record(shard_dir: Path, sid: int) -> Optional[dict]:
+    """A shard's record (None without a readable one)."""
+    try:
+        return json.loads((shard_dir / (SHARD.format(sid) + ".json")).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def shard_done(shard_dir: Path, sid: int, rng: Tuple[int, int], key: Optional[str]) -> bool:
     """Done = its record exists, matches the range and the key (input lines, options, checkpoints),
     and the output matches the record's checksum."""
-    rec_path = shard_dir / (SHARD.format(sid) + ".json")
-    out_path = shard_dir / (SHARD.format(sid) + ".out")
-    if not rec_path.exists() or not out_path.exists():
-        return False
-    try:
-        rec = json.loads(rec_path.read_text())
-    except ValueError:
-        return False
-    return (rec.get("status") == "done" and (rec.get("start"), rec.get("end")) == rng and rec.get("key") == key
+    rec, out_path = _record(shard_dir, sid), shard_dir / (SHARD.format(sid) + ".out")
+    return (rec is not None and out_path.exists() and rec.get("status") == "done"
+            and (rec.get("start"), rec.get("end")) == rng and rec.get("key") == key
             and rec.get("checksum") == checksum(out_path.read_text(encoding="utf-8")))
 
 
@@ -152,14 +149,13 @@ def worker_identity() -> Tuple[int, int]:
 
 
 def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict,
-          keys: Optional[List[str]] = None) -> Optional[dict]:
-    """Write output.txt and manifest.json if every shard is done (with `keys`, the shards' keys);
-    return the summed counters (None when shards are still pending)."""
+          keys: List[str]) -> Optional[dict]:
+    """Write output.txt and manifest.json if every shard is done under its key; return the summed
+    counters (None when shards are still pending)."""
     shard_dir = out_dir / "shards"
-    keys = keys or [None] * len(ranges)
     if not all(shard_done(shard_dir, i, r, k) for i, (r, k) in enumerate(zip(ranges, keys))):
         return None
-    records = [json.loads((shard_dir / (SHARD.format(i) + ".json")).read_text()) for i in range(len(ranges))]
+    records = [_record(shard_dir, i) for i in range(len(ranges))]
     text = "".join((shard_dir / (SHARD.format(i) + ".out")).read_text(encoding="utf-8") for i in range(len(ranges)))
     n_lines = ranges[-1][1] if ranges else 0
     assert text.count("\n") == n_lines, "merged output must have one line per input line"
@@ -227,18 +223,17 @@ class ShardDecoder:
                                            disable_iterator_cache=True).next_epoch_itr(shuffle=False)
         if self.gen is None:
             self.gen = self.task.build_generator(self.models, self.args)  # generation options: the args
-        gen = self.gen
-        before = gen.counters.as_dict()
+        before = self.gen.counters.as_dict()
         out: Dict[int, str] = {}
         for sample in itr:
             if self.cuda:
                 sample = utils.move_to_cuda(sample)
-            hypos = self.task.inference_step(gen, self.models, sample)
+            hypos = self.task.inference_step(self.gen, self.models, sample)
             for i, sid in enumerate(sample["id"].tolist()):
                 best = hypos[i][: self.args.nbest]
                 out[sid] = "\t".join(self.codec.decode(h["tokens"].tolist()).replace("\n", " ") for h in best)
             progress.update(len(hypos))
-        after = gen.counters.as_dict()
+        after = self.gen.counters.as_dict()
         counters = {k: round(after[k] - before[k], 3) for k in after
                     if isinstance(after[k], (int, float)) and k in _ADDITIVE}
         return [out[i] for i in range(len(raw))], counters, bad
@@ -259,7 +254,7 @@ def main(argv=None) -> int:
     keys = [shard_key(run, lines[a:b]) for a, b in ranges]
     mine = [i for i in range(len(ranges)) if i % world == rank]
     todo = [i for i in mine if not shard_done(shard_dir, i, ranges[i], keys[i])]
-    stale = sum(shard_done(shard_dir, i, ranges[i], _recorded_key(shard_dir, i)) for i in todo)
+    stale = sum(shard_done(shard_dir, i, ranges[i], (_record(shard_dir, i) or {}).get("key")) for i in todo)
     print(f"worker {rank}/{world}: {len(ranges)} shards of {args.shard_lines} lines, {len(mine)} mine, "
           f"{len(mine) - len(todo)} already done, {len(todo)} to decode"
           + (f" ({stale} done before with other input lines, options or checkpoints)" if stale else ""), flush=True)
@@ -299,14 +294,6 @@ def main(argv=None) -> int:
     if dist is not None:
         dist.destroy_process_group()
     return 0
-
-
-def _recorded_key(shard_dir: Path, sid: int) -> Optional[str]:
-    """The key in a shard's record (None without a readable record)."""
-    try:
-        return json.loads((shard_dir / (SHARD.format(sid) + ".json")).read_text()).get("key")
-    except (OSError, ValueError):
-        return None
 
 
 def _init_distributed(world: int):

@@ -12,7 +12,7 @@ import typing
 from typing import List
 
 from .options import plugin_fields
-from .spec import DECODINGS, UsageError, check_files, flag, from_cli, is_checkpoint_file
+from .spec import DECODINGS, UsageError, check_files, from_cli, is_checkpoint_file
 
 # the front ends' default and choices for the task's --decoding: streaming by default, and not
 # `fairseq` (fairseq's stock generator keeps no counters and has no online loop)
@@ -94,36 +94,35 @@ def _registered(kind: str) -> List[str]:
 
     return sorted(registry.REGISTRIES[kind]["registry"])
 
+
 def add_generation_options(p) -> None:
     """fairseq's GenerationConfig fields in GENERATION_OPTIONS, with its types, defaults and help."""
     from fairseq.dataclass.configs import GenerationConfig
 
     fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
     for name in GENERATION_OPTIONS:
-        f = fields[name]
-        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
-        if f.type is bool:
-            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=help_text)
-        else:
-            p.add_argument("--" + name.replace("_", "-"), type=f.type, default=f.default, help=help_text)
+        _add_field(p, fields[name])
 
 
 def add_task_options(p) -> None:
     """Every option the plugin adds to its task (options.plugin_fields), with the task's types,
     defaults and help: the task's dataclass is the one list, so the two cannot drift apart."""
     for f in plugin_fields():
-        help_text = str(f.metadata.get("help", "")).replace("%", "%%")
-        kind, default = f.type, f.default
-        if f.name == "decoding":
-            p.add_argument(flag(f.name), default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
-        elif isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum
-            p.add_argument(flag(f.name), default=default, choices=[str(c.value) for c in kind], help=help_text)
-        elif kind is bool:
-            p.add_argument(flag(f.name), action="store_true", default=default, help=help_text)
-        else:
-            inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-            if len(inner) != 1 or inner[0] not in (int, float, str):
-                raise TypeError(f"front ends cannot expose task option {f.name} of type {kind}")
-            p.add_argument(flag(f.name), type=inner[0], default=default, help=help_text)
+        _add_field(p, f)
 
 
+def _add_field(p, f: dataclasses.Field) -> None:
+    """Dataclass field `f` as an option, with its type, default and help."""
+    name, kind, default = "--" + f.name.replace("_", "-"), f.type, f.default
+    help_text = str(f.metadata.get("help", "")).replace("%", "%%")
+    if f.name == "decoding":
+        p.add_argument(name, default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum
+        p.add_argument(name, default=default, choices=[str(c.value) for c in kind], help=help_text)
+    elif kind is bool:
+        p.add_argument(name, action="store_true", default=default, help=help_text)
+    else:
+        inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+        if len(inner) != 1 or inner[0] not in (int, float, str):
+            raise TypeError(f"front ends cannot expose option {f.name} of type {kind}")
+        p.add_argument(name, type=inner[0], default=default, help=help_text)

@@ -1,6 +1,5 @@
-"""One loader of the task and the models for the front ends beside fairseq's own commands: the
-benchmark, decode_corpus, the LMBR tuner and the GPU script. Options are the task's fields; the
-task builds and validates their decoding spec before any model loads."""
+"""The task and the models for the front ends beside fairseq's own commands (the benchmark,
+decode_corpus, calibrate, the GPU script); the task validates its options before any model loads."""
 
 from __future__ import annotations
 

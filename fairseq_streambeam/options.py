@@ -1,7 +1,5 @@
-"""Command-line options of the plugin: fields of the task's dataclass, checked at parse time.
-
-Their meaning and validation live in spec.py (`DecodeSpec`); this module only puts them on
-fairseq's command line and reports a bad one in one line."""
+"""Command-line options of the plugin: fields of the task's dataclass, checked at parse time and
+reported in one line; their meaning and validation live in spec.py (`DecodeSpec`)."""
 
 import dataclasses
 import math
@@ -20,95 +18,78 @@ ORDER_CHOICES = ChoiceEnum([o for o in ORDERS if o != "fifo"])  # fifo (paper A.
 ADMIT_CHOICES = ChoiceEnum(list(ADMIT_ORDERS))
 
 
+def _option(default, help_text: str):
+    """A task option: fairseq builds its command-line flag from the field, with this help."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class StreamBeamConfig(TranslationConfig):
-    decoding: DECODING_CHOICES = field(
-        default="beam",
-        metadata={"help": "beam: fixed beam (= fairseq's output); greedy: beam 1; var-batch: variable-"
-                          "width beams (delta, M) per batch; var-stream: variable-width beams with "
-                          "streaming refill (Yang et al. 2020); fixed-stream: fixed beam, streamed; "
-                          "iad: input-guided aggressive decoding (= greedy output, Ge et al. 2022); "
-                          "gad: generalized aggressive decoding with a --drafter model (= greedy output "
-                          "with --gad-beta 1; GAD++ otherwise); "
-                          "fairseq: fairseq's own SequenceGenerator"},
-    )
-    prune_abs_threshold: Optional[float] = field(
-        default=None, metadata={"help": "delta: drop candidates more than delta below the best "
-                                        "(var-* only; default 1.5)"})
-    prune_max_cands: Optional[int] = field(
-        default=None, metadata={"help": "M: at most M children per parent (var-* only; default 5)"})
-    finish_count: Optional[int] = field(
-        default=None, metadata={"help": "z: finished hypotheses that end a source under the sticky rule (default: "
-                                        "the beam size k, as in Yang et al.'s runs); --nbest may not exceed it. "
-                                        "var-batch and var-stream only: beam, greedy and fixed-stream finish k "
-                                        "as fairseq does"})
-    refill_eps: float = field(
-        default=1 / 6, metadata={"help": "eps: refill when fewer than eps*n sources are live (streaming)"})
-    stream_order: ORDER_CHOICES = field(
-        default="min-length", metadata={"help": "which cohort steps next when streaming: min-length "
-                                                "(the paper), or continuous: every live "
-                                                "source steps in one decoder call whatever its prefix length "
-                                                "(fairseq transformer decoders; others use min-length)"})
-    stream_admit: ADMIT_CHOICES = field(
-        default="shortest-first", metadata={"help": "order in which streaming admits a window's sources: "
-                                                    "shortest-first keeps cohorts' lengths alike (little "
-                                                    "padding); longest-first starts long outputs early, so "
-                                                    "the window's last steps are fuller (same output)"})
-    stream_candidates: Optional[int] = field(
-        default=None, metadata={"help": "streaming: refill by live beam candidates instead of sources: keep "
-                                        "about this many candidates per decoder step (--batch-size still caps "
-                                        "the sources)"})
-    stream_window: int = field(
-        default=32, metadata={"help": "streaming modes: hand the generator windows of this many "
-                                      "fairseq batches; --batch-size/--max-tokens stay the live budget n"})
-    max_wait_steps: int = field(
-        default=0, metadata={"help": "latency bound: step a cohort first once it has waited this many "
-                                     "decoder steps (0 = off; output unchanged)"})
-    compile: bool = field(
-        default=False, metadata={"help": "run the decoder layers' math through torch.compile (inductor): "
-                                         "compiles a few graphs at the start; scores move in their last bits"})
-    lmbr_posteriors: Optional[str] = field(
-        default=None, metadata={"help": "LMBR n-gram posteriors (JSON lines by sentence id, from "
-                                        "python -m fairseq_streambeam.scorers.build_posteriors)"})
-    lmbr_lambda: Optional[float] = field(
-        default=None, metadata={"help": "LMBR: weight of the NMT log-probs against the evidence (var-*: default 1 "
-                                        "/ number of models; beam, greedy, fixed-stream: required, from "
-                                        "streambeam-calibrate); scores, and var-*'s delta, stay in NMT log-prob units"})
-    lmbr_theta0: Optional[float] = field(
-        default=None, metadata={"help": "LMBR: per-word constant Theta0 (default -1/T of Tromble et al.)"})
-    lmbr_p: float = field(default=0.85, metadata={"help": "LMBR linear-BLEU precision p (Tromble et al. 2008)"})
-    lmbr_r: float = field(default=0.72, metadata={"help": "LMBR linear-BLEU precision ratio r"})
-    token_masks: Optional[str] = field(
-        default=None, metadata={"help": "per-sentence token masks applied before top-k: JSON lines "
-                                        "{\"id\": n, \"allow\": [token ids]} or {\"id\": n, \"ban\": [...]}"})
-    iad_ngram: int = field(
-        default=2, metadata={"help": "iad: after a mismatch, copy again once the output's last n tokens "
-                                     "occur exactly once in the source"})
-    block_size: int = field(
-        default=0, metadata={"help": "aggressive decoding: most draft tokens verified per pass (0 = auto: "
-                                     "iad: the whole remaining source for one row, 8 when batched; "
-                                     "gad: the drafter's trained --draft-block-size, 4 with --draft-lookup)"})
-    draft_min_reach: Optional[float] = field(
-        default=None, metadata={"help": "aggressive decoding: verify a draft position only while its estimated "
-                                        "chance of being reached (all earlier drafts accepted, measured online) "
-                                        "is at least this; 0 = verify every draft token; default: 0.25 for gad, "
-                                        "0 for iad (see docs/benchmarks.md). Output unchanged"})
-    drafter: Optional[str] = field(
-        default=None, metadata={"help": "gad: block_drafter checkpoint (scripts/train_drafter.sh) with the "
-                                        "verifier's target dictionary"})
-    draft_lookup: Optional[str] = field(
-        default=None, metadata={"help": "gad, instead of --drafter: draft from the n-gram statistics of this "
-                                        "target-side text (one sentence per line, tokenized and segmented like "
-                                        "the model's target; best the model's greedy output on training "
-                                        "sources) and from repeats in the output itself: no drafter model"})
-    draft_lookup_order: int = field(
-        default=2, metadata={"help": "gad with --draft-lookup: longest context of the n-gram table"})
-    gad_beta: int = field(
-        default=1, metadata={"help": "gad: accept a draft token among the verifier's top-beta (1 = strict "
-                                     "top-1 = greedy output; >1 = GAD++)"})
-    gad_tau: float = field(
-        default=math.inf, metadata={"help": "gad++: a draft token must also lie within tau of the "
-                                                "verifier's top-1 log-probability (default: no bound)"})
+    decoding: DECODING_CHOICES = _option("beam", "beam: fixed beam (= fairseq's output); greedy: beam 1; var-batch: "
+                                                 "variable-width beams (delta, M) per batch; var-stream: "
+                                                 "variable-width beams with streaming refill (Yang et al. 2020); "
+                                                 "fixed-stream: fixed beam, streamed; iad: input-guided aggressive "
+                                                 "decoding (= greedy output, Ge et al. 2022); gad: generalized "
+                                                 "aggressive decoding with a --drafter model (= greedy output with "
+                                                 "--gad-beta 1; GAD++ otherwise); fairseq: fairseq's own "
+                                                 "SequenceGenerator")
+    prune_abs_threshold: Optional[float] = _option(None, "delta: drop candidates more than delta below the best "
+                                                         "(var-* only; default 1.5)")
+    prune_max_cands: Optional[int] = _option(None, "M: at most M children per parent (var-* only; default 5)")
+    finish_count: Optional[int] = _option(None, "z: finished hypotheses that end a source under the sticky rule "
+                                                "(default: the beam size k, as in Yang et al.'s runs); --nbest may not "
+                                                "exceed it. var-batch and var-stream only: beam, greedy and "
+                                                "fixed-stream finish k as fairseq does")
+    refill_eps: float = _option(1 / 6, "eps: refill when fewer than eps*n sources are live (streaming)")
+    stream_order: ORDER_CHOICES = _option("min-length", "which cohort steps next when streaming: min-length (the "
+                                                        "paper), or continuous: every live source steps in one decoder "
+                                                        "call whatever its prefix length (fairseq transformer "
+                                                        "decoders; others use min-length)")
+    stream_admit: ADMIT_CHOICES = _option("shortest-first", "order in which streaming admits a window's sources: "
+                                                            "shortest-first keeps cohorts' lengths alike (little "
+                                                            "padding); longest-first starts long outputs early, so the "
+                                                            "window's last steps are fuller (same output)")
+    stream_candidates: Optional[int] = _option(None, "streaming: refill by live beam candidates instead of sources: "
+                                                     "keep about this many candidates per decoder step (--batch-size "
+                                                     "still caps the sources)")
+    stream_window: int = _option(32, "streaming modes: hand the generator windows of this many fairseq batches; "
+                                     "--batch-size/--max-tokens stay the live budget n")
+    max_wait_steps: int = _option(0, "latency bound: step a cohort first once it has waited this many decoder steps "
+                                     "(0 = off; output unchanged)")
+    compile: bool = _option(False, "run the decoder layers' math through torch.compile (inductor): compiles a few "
+                                   "graphs at the start; scores move in their last bits")
+    lmbr_posteriors: Optional[str] = _option(None, "LMBR n-gram posteriors (JSON lines by sentence id, from "
+                                                   "python -m fairseq_streambeam.scorers.build_posteriors)")
+    lmbr_lambda: Optional[float] = _option(None, "LMBR: weight of the NMT log-probs against the evidence (var-*: "
+                                                 "default 1 / number of models; beam, greedy, fixed-stream: required, "
+                                                 "from streambeam-calibrate); scores, and var-*'s delta, stay in NMT "
+                                                 "log-prob units")
+    lmbr_theta0: Optional[float] = _option(None, "LMBR: per-word constant Theta0 (default -1/T of Tromble et al.)")
+    lmbr_p: float = _option(0.85, "LMBR linear-BLEU precision p (Tromble et al. 2008)")
+    lmbr_r: float = _option(0.72, "LMBR linear-BLEU precision ratio r")
+    token_masks: Optional[str] = _option(None, "per-sentence token masks applied before top-k: JSON lines "
+                                               "{\"id\": n, \"allow\": [token ids]} or {\"id\": n, \"ban\": [...]}")
+    iad_ngram: int = _option(2, "iad: after a mismatch, copy again once the output's last n tokens occur exactly once "
+                                "in the source")
+    block_size: int = _option(0, "aggressive decoding: most draft tokens verified per pass (0 = auto: iad: the whole "
+                                 "remaining source for one row, 8 when batched; gad: the drafter's trained "
+                                 "--draft-block-size, 4 with --draft-lookup)")
+    draft_min_reach: Optional[float] = _option(None, "aggressive decoding: verify a draft position only while its "
+                                                     "estimated chance of being reached (all earlier drafts accepted, "
+                                                     "measured online) is at least this; 0 = verify every draft token; "
+                                                     "default: 0.25 for gad, 0 for iad (see docs/benchmarks.md). "
+                                                     "Output unchanged")
+    drafter: Optional[str] = _option(None, "gad: block_drafter checkpoint (scripts/train_drafter.sh) with the "
+                                           "verifier's target dictionary")
+    draft_lookup: Optional[str] = _option(None, "gad, instead of --drafter: draft from the n-gram statistics of this "
+                                                "target-side text (one sentence per line, tokenized and segmented like "
+                                                "the model's target; best the model's greedy output on training "
+                                                "sources) and from repeats in the output itself: no drafter model")
+    draft_lookup_order: int = _option(2, "gad with --draft-lookup: longest context of the n-gram table")
+    gad_beta: int = _option(1, "gad: accept a draft token among the verifier's top-beta (1 = strict top-1 = greedy "
+                               "output; >1 = GAD++)")
+    gad_tau: float = _option(math.inf, "gad++: a draft token must also lie within tau of the verifier's top-1 "
+                                       "log-probability (default: no bound)")
 
 
 def plugin_fields() -> List[dataclasses.Field]:
@@ -120,8 +101,7 @@ def plugin_fields() -> List[dataclasses.Field]:
 
 def install_usage_error_hook() -> None:
     """Print an uncaught UsageError as `prog: error: message` and exit with status 2 (as argparse
-    does) instead of a traceback; any other exception goes to the previous hook. Installed once
-    per process."""
+    does) instead of a traceback; other exceptions go to the previous hook. Installed once."""
     previous = sys.excepthook
     if getattr(previous, "streambeam_usage_hook", False):
         return
@@ -150,11 +130,10 @@ def refuse_id_keyed_files(spec) -> None:
 
 
 def check_at_parse_time(parser) -> None:
-    """Make `parser` (fairseq's command-line parser, once the task's options are on it) build the
-    decoding spec right after parsing and report a bad option as argparse does: one line
-    `prog: error: ...` and exit status 2 (without fairseq's usage text, hundreds of lines),
-    before fairseq loads a model. Files are checked when the task is built (a script may write
-    them after parsing); fairseq's own checks of its options run later, in its main."""
+    """Make fairseq's `parser` (with the task's options) build the decoding spec right after parsing
+    and report a bad option in one line with exit status 2, as argparse does (not fairseq's hundreds
+    of lines of usage), before a model loads. Files are checked later, when the task is built (a
+    script may write them after parsing)."""
     parse = parser.parse_known_args
 
     def parse_and_check(args=None, namespace=None):

@@ -1,12 +1,10 @@
 """One decoding spec: every option of a decoding, validated once, for every front end.
 
-`DecodeSpec` is frozen and typed. fairseq's generation options keep `SequenceGenerator`'s argument
-names (so a spec's fields are also the generators' keyword arguments); the plugin's options keep
-the task's option names. Building a spec validates it: a bad value, or an option that the
-decoding does not use, raises `UsageError` naming the flag. What a decoding is (its family, fixed
-or variable width, batch or streaming, default finalization rule) is the `DECODINGS` registry.
-Front ends build specs with `from_cli` (a task config and fairseq's generation options, or one
-argparse namespace) and check the files it names with `check_files`.
+`DecodeSpec` is frozen; fairseq's generation options keep `SequenceGenerator`'s argument names (so
+fields are also the generators' keyword arguments), the plugin's keep the task's. Building one raises
+`UsageError` naming the flag of a bad value or of an option the decoding does not use. Front ends
+build specs with `from_cli` and check the files they name with `check_files`; `DECODINGS` says
+what each decoding is.
 """
 
 from __future__ import annotations
@@ -219,9 +217,6 @@ class DecodeSpec:
         """GAD with top-1 verification may skip drafting (GAD++'s output depends on the drafts)."""
         return self.decoding == "gad" and self.gad_beta == 1 and self.draft_switch
 
-    def replace(self, **changes: Any) -> DecodeSpec:
-        return dataclasses.replace(self, **changes)
-
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodeSpec)}
 _RANGES = [
@@ -273,13 +268,11 @@ REFUSED = [
 
 
 def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn: Any = None) -> DecodeSpec:
-    """The spec of a task config (or argparse namespace) `cfg` with fairseq's generation options
-    `gen` (a GenerationConfig or namespace; None before they are known: then the widest beam the
-    plugin's options allow, so that only the generation options' own checks wait for them).
-    `extra` (fairseq's extra_gen_cls_kwargs: lm_model, lm_weight) and `prefix_fn` are what a caller
-    hands fairseq's build_generator besides."""
+    """The spec of a task config (or argparse namespace) `cfg` and fairseq's generation options `gen`
+    (None before they are known: then the widest beam the plugin's options allow, so that only the
+    generation options' own checks wait for them). `extra` (fairseq's extra_gen_cls_kwargs: lm_model,
+    lm_weight) and `prefix_fn` are build_generator's other arguments."""
     extra = extra or {}
-    lm_model = extra.get("lm_model")
     plugin = {n: _value(getattr(cfg, n, _DEFAULTS[n])) for n in PLUGIN_OPTIONS}
     decoding = plugin["decoding"]
     if gen is None or not hasattr(gen, "beam"):  # e.g. fairseq-train with the task: no generation options
@@ -294,7 +287,7 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
         refused = [f for name, is_set, f in REFUSED if is_set(getattr(gen, name, None))]
         refused += ["prefix_allowed_tokens_fn"] if prefix_fn is not None else []
         if DECODINGS.get(decoding, DECODINGS["beam"]).family == "draft" and (
-                getattr(gen, "lm_path", None) or lm_model is not None):
+                getattr(gen, "lm_path", None) or extra.get("lm_model") is not None):
             refused.append("--lm-path")
         if refused:
             raise UsageError(f"--decoding {decoding} does not support {', '.join(refused)}; "
@@ -327,11 +320,10 @@ def is_checkpoint_file(path: str) -> bool:
 
 
 def flag(name: str) -> str:
-    """The command-line flag of a spec field or fairseq generation option (fairseq's own name for
-    those); a field that is no command-line option (a bench or Python setting) by its own name."""
-    name = {f: g for g, f in GENERATION.items()}.get(name, name)  # fairseq's names for its options
-    name = "unnormalized" if name == "normalize_scores" else name
-    if name not in GENERATION and name not in PLUGIN_OPTIONS and name != "unnormalized":
+    """The command-line flag of a spec field (fairseq's own name for its generation options); a
+    field that is no command-line option (a bench or Python setting) by its own name."""
+    name = {f: g for g, f in GENERATION.items()}.get(name, name)
+    if name not in GENERATION and name not in PLUGIN_OPTIONS:
         return name
     return "--" + name.replace("_", "-")
 

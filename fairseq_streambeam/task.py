@@ -1,15 +1,15 @@
 """fairseq adapter: the `streambeam_translation` task.
 
-A TranslationTask that (1) builds the generator of its decoding spec (spec.py), with the drafter
-and scorers the spec names, (2) never drops input sentences, and (3) in streaming decodings hands
-the generator windows of `--stream-window` fairseq batches, so refill spans what would have been
-batch boundaries while `--batch-size` / `--max-tokens` keep meaning "how many sources decode
-together" (the paper's n).
+A TranslationTask that builds the generator of its decoding spec (spec.py) with the drafter and
+scorers the spec names, never drops input sentences, and in streaming decodings hands the generator
+windows of `--stream-window` batches: refill spans batch boundaries while `--batch-size` /
+`--max-tokens` keep meaning how many sources decode together (the paper's n).
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import time
@@ -70,8 +70,7 @@ class StreamBeamTranslationTask(TranslationTask):
             ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=1, **kwargs)
         return _without_pin_memory_warning(itr)
 
-    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
-                        prefix_allowed_tokens_fn=None):
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
         """The generator of the task's options and fairseq's generation options `args`."""
         lm_model = (extra_gen_cls_kwargs or {}).get("lm_model")  # fairseq-generate loads --lm-path
         spec = from_cli(self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
@@ -100,19 +99,18 @@ class StreamBeamTranslationTask(TranslationTask):
         return gen
 
     def _drafter(self, spec: DecodeSpec, model):
+        src_d, tgt_d = self.source_dictionary, self.target_dictionary
         if spec.decoding == "iad":
-            src_d, tgt_d = self.source_dictionary, self.target_dictionary
             # separate dictionaries (e.g. WMT'19 Ru-En): copy each source token as the target token it spells
             vocab_map = None if src_d.symbols == tgt_d.symbols else [tgt_d.index(w) for w in src_d.symbols]
             return InputCopyDrafter(spec.iad_ngram, spec.block_size, vocab_map=vocab_map)
         if spec.drafter:
-            return ModelDrafter(self._drafter_model(spec.drafter, model), self.target_dictionary, spec.block_size)
+            return ModelDrafter(self._drafter_model(spec.drafter, model), tgt_d, spec.block_size)
         key = ("lookup", spec.draft_lookup, spec.draft_lookup_order)  # built once per task (a bench repeats)
         if key not in self._drafters:
-            self._drafters[key] = NgramTable.from_file(spec.draft_lookup, self.target_dictionary,
-                                                       spec.draft_lookup_order)
-        d = self.target_dictionary
-        return LookupDrafter(self._drafters[key], bos=d.eos(), eos=d.eos(), block_size=spec.block_size or LOOKUP_BLOCK)
+            self._drafters[key] = NgramTable.from_file(spec.draft_lookup, tgt_d, spec.draft_lookup_order)
+        return LookupDrafter(self._drafters[key], bos=tgt_d.eos(), eos=tgt_d.eos(),
+                             block_size=spec.block_size or LOOKUP_BLOCK)
 
     def _drafter_model(self, path: str, like):
         """The drafter checkpoint on the verifier's device and dtype, loaded once per task (a
@@ -195,8 +193,6 @@ def attach_to_hub(hub, **options):
     """Make a fairseq hub interface (`TransformerModel.from_pretrained(...)`) decode through this
     plugin's task; `options` are the task's fields, e.g. `attach_to_hub(hub, decoding="var-stream",
     finish_count=1)`. Returns the hub."""
-    import dataclasses
-
     old = hub.task
     names = {f.name for f in dataclasses.fields(StreamBeamConfig)}
     base = {k: getattr(old.cfg, k) for k in names if hasattr(old.cfg, k) and k not in options}

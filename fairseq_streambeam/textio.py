@@ -10,8 +10,7 @@ import torch
 
 
 class TextCodec:
-    def __init__(self, task, tokenizer: str = "none", bpe: str = "none", bpe_codes: Optional[str] = None,
-                 sentencepiece_model: Optional[str] = None):
+    def __init__(self, task, tokenizer: str, bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str]):
         self.tok = task.build_tokenizer(argparse.Namespace(
             tokenizer=None if tokenizer == "none" else tokenizer, moses_source_lang=task.cfg.source_lang,
             moses_target_lang=task.cfg.target_lang, moses_no_dash_splits=False, moses_no_escape=False))

@@ -2,13 +2,11 @@
 
 Methods run interleaved over repeats (A B C A B C ...) so machine noise hits all alike; ours and
 fairseq's go through the same task API as fairseq-generate (batching, windows, the generator).
-Writes a Markdown table (paper Table 1 shape), JSON and PNG plots to --out. Example:
-
-  python -m fairseq_streambeam.bench --data ../shared/models/deen-tiny/data-bin \
-      --path ../shared/models/deen-tiny/checkpoint_best.pt -s de -t en --beam 5 --limit 500
+Writes a Markdown table (paper Table 1 shape), JSON and PNG plots to --out (docs/benchmarks.md).
 """
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -40,8 +38,7 @@ def parse_args(argv=None):
     p.add_argument("-t", "--target-lang", required=True)
     add_input_args(p, "test")
     p.add_argument("--config", help="JSON with settings and variants (see configs/)")
-    p.add_argument("--methods", help=f"comma-separated built-ins: {','.join(BUILTIN)} "
-                                     f"(default {DEFAULTS['methods']})")
+    p.add_argument("--methods", help=f"comma-separated built-ins: {','.join(BUILTIN)} (default {DEFAULTS['methods']})")
     p.add_argument("--baseline", help="method the time ratios are relative to (default fairseq)")
     p.add_argument("--exact-ref", help="method whose outputs define 'identical' (default beam)")
     p.add_argument("--beam", type=int)
@@ -105,7 +102,7 @@ def main(argv=None):
 
     from . import data as bench_data
     from .memory import PeakMemory
-    from .report import markdown_table, write_json, write_plots
+    from .report import markdown_table, write_plots
 
     use_cuda = wants_cuda(args.device)
     out_dir = Path(args.out)
@@ -144,7 +141,7 @@ def main(argv=None):
         for v in variants:
             bar = tqdm(total=n, desc=f"{rep + 1}/{settings['repeats']} {v.name}", disable=args.quiet,
                        leave=False, file=sys.stderr)
-            with PeakMemory(cuda=use_cuda) as mem:
+            with PeakMemory(use_cuda) as mem:
                 t0 = time.perf_counter()
                 if v.decoding == "ct2":
                     hyps, counters = _run_ct2(ct2, v, settings, ts, task.target_dictionary)
@@ -194,11 +191,10 @@ def main(argv=None):
         if c is not None and c.trace:
             traces[v.name] = c.trace
     table = markdown_table(rows)
-    print()
-    print(table)
+    print("\n" + table)
     meta = {"settings": settings, "sentences": n, "threads": threads, "device": "cuda" if use_cuda else "cpu",
             "torch": torch.__version__, "data": args.src or f"{args.data}:{args.gen_subset}", "path": args.path}
-    write_json(out_dir / "results.json", meta, rows, traces)
+    (out_dir / "results.json").write_text(json.dumps({**meta, "rows": rows, "step_traces": traces}, indent=1))
     (out_dir / "results.md").write_text(table + "\n")
     if not args.no_plots:
         for p in write_plots(out_dir, rows, traces):
@@ -224,13 +220,6 @@ def _subset_posteriors(args, variants, ts, out_dir: Path):
     path = out_dir / "lmbr_posteriors.subset.jsonl"
     write_posteriors(path, {i: post[orig] for i, orig in enumerate(ts.orig_ids) if orig in post})
     return str(path)
-
-
-def _gen_args(v: Variant, settings: dict) -> argparse.Namespace:
-    # the bench scores each source's best hypothesis (nbest 1); how many finish is the spec's finish_count
-    return argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
-                              max_len_b=settings["max_len_b"], min_len=1, unkpen=0, temperature=1.0, nbest=1,
-                              unnormalized=False)
 
 
 def _greedy_truth(task, models, variants, settings: dict, ts, use_cuda: bool):
@@ -291,9 +280,12 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
     from .data import CorpusOrder
 
     spec = variant_spec(v, settings, lmbr_file)
-    if spec.decoding == "fairseq":  # fairseq's own generator
+    if spec.decoding == "fairseq":  # fairseq's own generator; the bench scores each source's best (nbest 1)
         task.spec = spec
-        gen = TranslationTask.build_generator(task, models, _gen_args(v, settings))
+        args = argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
+                                  max_len_b=settings["max_len_b"], min_len=1, unkpen=0, temperature=1.0, nbest=1,
+                                  unnormalized=False)
+        gen = TranslationTask.build_generator(task, models, args)
     else:
         drafter = OracleDrafter(oracle, v.block_size or 8) if v.decoding == "gad-oracle" else (
             NoDrafter() if v.decoding == "no-draft" else None)
@@ -351,9 +343,7 @@ def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict):
         res += translator.translate_batch(ts.src_symbols[a:a + step], beam_size=v.beam or settings["beam"], **budget,
                                           length_penalty=settings["lenpen"], max_decoding_length=settings["max_len_b"],
                                           min_decoding_length=0)
-    hyps = {}
-    for i, r in enumerate(res):
-        hyps[i] = [tgt_dict.index(tok) for tok in r.hypotheses[0]] + [tgt_dict.eos()]
+    hyps = {i: [tgt_dict.index(tok) for tok in r.hypotheses[0]] + [tgt_dict.eos()] for i, r in enumerate(res)}
     return hyps, None
 
 

@@ -2,7 +2,6 @@
 
 import os
 import threading
-from typing import Optional
 
 import torch
 
@@ -18,21 +17,21 @@ def _rss_bytes() -> int:
 
 
 class PeakMemory:
-    """`with PeakMemory() as m: ...; m.peak_mb` -- CPU: max RSS sampled every `interval` seconds."""
+    """`with PeakMemory(cuda) as m: ...; m.peak_mb` -- CPU: max RSS sampled every `interval` seconds.
+    `cuda` is the run's device, not the machine's."""
 
-    def __init__(self, interval: float = 0.02, cuda: Optional[bool] = None):
+    def __init__(self, cuda: bool, interval: float = 0.02):
+        self.cuda = cuda
         self.interval = interval
         self.peak = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self.cuda = torch.cuda.is_available() if cuda is None else cuda  # the run's device, not the machine's
+        self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def __enter__(self) -> "PeakMemory":
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
             self.peak = _rss_bytes()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
 
@@ -45,7 +44,6 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated()
         else:
             self._stop.set()
-            assert self._thread is not None
             self._thread.join()
             self.peak = max(self.peak, _rss_bytes())
 

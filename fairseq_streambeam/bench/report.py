@@ -1,6 +1,5 @@
-"""Benchmark output: a Markdown table shaped like the paper's Table 1, JSON, and PNG plots."""
+"""Benchmark output: a Markdown table shaped like the paper's Table 1, and PNG plots."""
 
-import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -22,10 +21,6 @@ def markdown_table(rows: List[dict]) -> str:
     return "\n".join([head, sep, *body])
 
 
-def write_json(path: Path, meta: dict, rows: List[dict], traces: Dict[str, list]) -> None:
-    path.write_text(json.dumps({**meta, "rows": rows, "step_traces": traces}, indent=1))
-
-
 def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> List[Path]:
     """Median model step time against current target length (paper Fig. 2), and time vs BLEU."""
     try:
@@ -39,23 +34,24 @@ def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> Lis
     except ImportError:
         print("matplotlib not installed: no plots (pip install matplotlib)")
         return []
-    written = []
+
+    def save(fig, name: str) -> Path:
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=120)
+        plt.close(fig)
+        return out_dir / name
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, trace in traces.items():
         by_len = defaultdict(list)
         for length, _rows, seconds in trace:
             by_len[length].append(seconds * 1000)
         xs = sorted(by_len)
-        if xs:
-            ax.plot(xs, [statistics.median(by_len[x]) for x in xs], label=name)
+        ax.plot(xs, [statistics.median(by_len[x]) for x in xs], label=name)
     ax.set_xlabel("current target length (tokens)")
     ax.set_ylabel("median decoder step time (ms)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out_dir / "step_time_vs_length.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    written.append(p)
+    written = [save(fig, "step_time_vs_length.png")]
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
@@ -63,9 +59,4 @@ def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> Lis
         ax.annotate(r["method"], (r["seconds_mean"], r["bleu"]), fontsize=7)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("BLEU")
-    fig.tight_layout()
-    p = out_dir / "time_vs_bleu.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    written.append(p)
-    return written
+    return [*written, save(fig, "time_vs_bleu.png")]

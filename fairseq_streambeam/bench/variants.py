@@ -72,14 +72,11 @@ BUILTIN: Dict[str, Variant] = {
 
 
 def parse_methods(spec: str) -> List[Variant]:
-    out = []
-    for name in (x.strip() for x in spec.split(",")):
-        if not name:
-            continue
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    for name in names:
         if name not in BUILTIN:
             raise ValueError(f"unknown method {name!r}; built-ins are {sorted(BUILTIN)} (or use --config)")
-        out.append(BUILTIN[name])
-    return out
+    return [BUILTIN[name] for name in names]
 
 
 def load_config(path: str) -> Tuple[dict, List[Variant]]:
