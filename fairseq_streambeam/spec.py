@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .search.finalize import FINISH_COUNT_NEEDS_STICKY, finished_per_source
+from .search.finalize import finished_per_source
 from .search.pruning import Pruning
 
 
@@ -145,8 +145,6 @@ class DecodeSpec:
         if (self.kind.family == "draft" or self.decoding == "greedy") and self.nbest > 1:
             raise UsageError(f"--decoding {self.decoding} returns one hypothesis per source: --nbest must be 1")
         if self.kind.family == "beam":
-            if self.finish_count is not None and self.rule != "sticky":
-                raise UsageError(FINISH_COUNT_NEEDS_STICKY)
             try:
                 finished_per_source(self.rule, self.beam, self.finish_count, self.nbest)
             except ValueError as e:

@@ -73,7 +73,7 @@ def test_generic_encoder_out_path_matches(dict40):
     ref = fairseq_generate([m], dict40, s, beam_size=5, max_len_b=15)
     for kw in (dict(), dict(decoding="fixed-stream", budget=Budget(2))):
         gen = StreamBeamGenerator([m], dict40, beam_size=5, max_len_b=15, **kw)
-        gen.keep_encoder_out = True  # as for decoders other than fairseq's transformer
+        gen.keep_encoder_out, gen.mergeable = True, False  # as for decoders other than fairseq's transformer
         assert_same_hypos(ref, gen.generate([m], s))
 
 

@@ -115,12 +115,11 @@ class KVCache:
         first = caches[0]
         if any(c.per_source != first.per_source for c in caches):
             raise ValueError("KVCache.cat: encoder keys cached per source and per row do not merge")
-        out = KVCache(first.model, sum(c.n_sources for c in caches), None, first.keep_encoder_out, first.per_source)
+        if any(c.keep_encoder_out for c in caches):  # generators merge transformer decoders' caches only
+            raise ValueError("KVCache.cat: caches of decoders that read their encoder outputs every step do not merge")
+        out = KVCache(first.model, sum(c.n_sources for c in caches), None, False, first.per_source)
         out.stepped = all(c.stepped for c in caches)
         out.states = [cat_states([c.states[i] for c in caches]) for i in range(len(first.states))]
-        if first.keep_encoder_out:
-            out.encoder_outs = [_cat_encoder_outs([c.encoder_outs[i] for c in caches])  # type: ignore[index]
-                                for i in range(len(first.decoders))]
         return out
 
     # ---- slots (transformer decoders) ----
@@ -387,27 +386,6 @@ def _no_slots(state: IncState, states: List[IncState], key: str) -> Dict[str, Op
         raise NotImplementedError(f"incremental state entry {key!r} is missing from a state whose rows are unknown")
     empty = like.new_zeros(rows.pop(), like.size(1), 0, like.size(3))  # type: ignore[union-attr]
     return {"prev_key": empty, "prev_value": empty, "prev_key_padding_mask": None}
-
-
-def _cat_encoder_outs(outs: List[EncOut]) -> EncOut:
-    """fairseq transformer-style encoder outputs concatenated along the batch, time axis padded."""
-    length = max(o["encoder_out"][0].size(0) for o in outs)
-    merged: EncOut = {}
-    for key in outs[0]:
-        items = [o[key] for o in outs]
-        if all(len(x) == 0 for x in items):
-            merged[key] = []
-        elif key in ("encoder_out", "encoder_states"):  # [T, B, C]
-            merged[key] = [torch.cat([_pad(x[j], 0, length, 0) for x in items], 1) for j in range(len(items[0]))]
-        elif key == "encoder_padding_mask":  # [B, T]
-            merged[key] = [torch.cat([_pad(x[0], 1, length, True) for x in items], 0)]
-        elif key == "encoder_embedding":  # [B, T, C]
-            merged[key] = [torch.cat([_pad(x[0], 1, length, 0) for x in items], 0)]
-        elif key == "src_lengths":
-            merged[key] = [torch.cat([x[0] for x in items], 0)]
-        else:
-            merged[key] = []  # src_tokens etc. are not read by the decoder
-    return merged
 
 
 def _pad(t: Tensor, dim: int, length: int, value) -> Tensor:
