@@ -469,7 +469,8 @@ class StreamBeamGenerator(SequenceGenerator):
             positions, top = torch.full_like(tokens, c.steps), c.steps
         groups = SourceGroups.of_rows(live.src, c.cache_src_h, len(c.src)) if c.cache.per_source else None
         encs = stand_in(self.model, tokens.size(0), tokens.device)
-        logits = [block(tokens, positions, enc, state, None, max_position=top, groups=groups)
+        rows = c.cache.take_pending()
+        logits = [block(tokens, positions, enc, state, None, max_position=top, groups=groups, rows=rows)
                   for block, state, enc in zip(self.blocks, c.cache.states, encs)]
         return ensemble_lprobs(self.model.models, logits, self.temperature)[:, -1, :]
 

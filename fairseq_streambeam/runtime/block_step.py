@@ -90,14 +90,15 @@ class BlockDecoder:
     def __call__(self, tokens: Tensor, positions: Tensor, encoder_out, state: Optional[IncState],
                  block_pad: Optional[Tensor], tail: int = 0, logits_for_tail: bool = False,
                  max_position: Optional[int] = None, slots: Optional[Slots] = None,
-                 groups: Optional[SourceGroups] = None) -> Tensor:
+                 groups: Optional[SourceGroups] = None, rows: Optional[Tensor] = None) -> Tensor:
         """Logits [N, m, V] for block `tokens` [N, m] at target positions `positions` [N, m]; appends
         the block to the cache in `state` (None: no cache, as in training). `block_pad` [N, m] marks
         padding inside the block (None: none); the last `tail` slots attend bidirectionally
         (block_attn_mask). `logits_for_tail`: project only the tail slots (logits [N, tail, V]).
         `max_position`: the largest of `positions`, known on the host (saves a device sync).
         `slots` (lean_layer.Slots): compute only the real slots, logits packed [T, V]. `groups`
-        (lean_layer.SourceGroups, lean layers only): cross-attention keys cached per source."""
+        (lean_layer.SourceGroups, lean layers only): cross-attention keys cached per source. `rows`
+        (lean layers only): the cached rows the block's rows continue (KVCache.take_pending)."""
         decoder = self.decoder
         m = tokens.size(1)
         x = decoder.embed_scale * decoder.embed_tokens(tokens)
@@ -121,10 +122,10 @@ class BlockDecoder:
             raise ValueError("forward_block: slots and logits_for_tail do not combine")
         if self.lean and not decoder.training:
             x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots, groups,  # batch-major
-                            self.layer_math)
+                            self.layer_math, rows)
         else:
-            if groups is not None:
-                raise ValueError("forward_block: cross-attention keys cached per source need lean layers")
+            if groups is not None or rows is not None:
+                raise ValueError("forward_block: caches with keys per source or pending rows need lean layers")
             x = x.transpose(0, 1)
             for layer in decoder.layers:
                 x, _, _ = layer(x, enc, enc_mask, state, self_attn_mask=mask, self_attn_padding_mask=block_pad)

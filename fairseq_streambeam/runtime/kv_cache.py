@@ -47,6 +47,9 @@ class KVCache:
         # legacy EncoderOut tuples, LSTM tuples and custom encoders put the batch anywhere)
         self.n_sources = n_sources
         self.stepped = False
+        # per-source caches: the rows their self-attention keys and values have yet to follow, which
+        # the next (lean) step applies in the same copy that appends its slot (`take_pending`)
+        self.pending: Optional[Tensor] = None
 
     # ---- encoder side ----
 
@@ -91,9 +94,31 @@ class KVCache:
         """Keep rows `rows` (with repetition) of every buffer: follow beam back-pointers. With
         `sources_moved=False` (new row i has old row i's source, e.g. fixed beams between finishes)
         encoder-attention buffers are not copied, most of the reorder cost for wide beams; keys
-        cached per source never are."""
+        cached per source never are, and self-attention keys and values of such a cache wait for the
+        next step (`pending`)."""
+        if self.per_source:
+            self.pending = rows if self.pending is None else self.pending.index_select(0, rows)
         for dec, state in zip(self.decoders, self.states):
-            _reorder(dec, state, rows, sources_moved and not self.per_source)
+            _reorder(dec, state, rows, sources_moved and not self.per_source, not self.per_source)
+
+    def take_pending(self) -> Optional[Tensor]:
+        """The rows the self-attention keys and values still have to follow (None: none), handed to
+        a step that applies them (lean_layer.lean_layers)."""
+        rows, self.pending = self.pending, None
+        return rows
+
+    def flush(self) -> None:
+        """Apply the pending rows to the self-attention keys and values now."""
+        rows = self.take_pending()
+        if rows is None:
+            return
+        for dec, state in zip(self.decoders, self.states):
+            for mha in _self_attn(dec):
+                buf = mha._get_input_buffer(state)
+                if buf:
+                    for name in ("prev_key", "prev_value"):
+                        buf[name] = buf[name].index_select(0, rows)  # type: ignore[union-attr]
+                    mha._set_input_buffer(state, buf)
 
     def select(self, rows: Tensor) -> None:
         """Keep rows `rows` (others leave), and the encoder keys some kept row still uses
@@ -117,6 +142,8 @@ class KVCache:
             raise ValueError("KVCache.cat: encoder keys cached per source and per row do not merge")
         if any(c.keep_encoder_out for c in caches):  # generators merge transformer decoders' caches only
             raise ValueError("KVCache.cat: caches of decoders that read their encoder outputs every step do not merge")
+        for c in caches:
+            c.flush()
         out = KVCache(first.model, sum(c.n_sources for c in caches), None, False, first.per_source)
         out.stepped = all(c.stepped for c in caches)
         out.states = [cat_states([c.states[i] for c in caches]) for i in range(len(first.states))]
@@ -194,6 +221,7 @@ class KVCache:
     def compact(self) -> None:
         """Drop masked self-attention slots, keeping each row's valid slots in order (left-aligned).
         One host sync: the largest count of a row's valid slots."""
+        self.flush()
         for dec, state in zip(self.decoders, self.states):
             mods = _self_attn(dec)
             mask = mods[0]._get_input_buffer(state).get("prev_key_padding_mask")
@@ -320,21 +348,23 @@ def _encoder_attn(decoder) -> List[MultiheadAttention]:
     return [layer.encoder_attn for layer in decoder.layers if getattr(layer, "encoder_attn", None) is not None]
 
 
-def _reorder(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor, encoder_attn: bool) -> None:
+def _reorder(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor, encoder_attn: bool,
+             self_kv: bool) -> None:
     """Like fairseq's `reorder_incremental_state_scripting`, but correct for variable-width beams.
 
     fairseq's MultiheadAttention.reorder_incremental_state returns early for encoder-decoder
     attention when the row count is unchanged (assuming fixed beams of identical rows); here rows
-    of different sources move, so its buffers are index-selected (unless `encoder_attn` is False).
-    Other modules keep their own reorder."""
+    of different sources move, so its buffers are index-selected (unless `encoder_attn` is False;
+    self-attention keys and values unless `self_kv` is False). Other modules keep their own reorder."""
     for module in decoder.modules():
         if isinstance(module, MultiheadAttention):
             if module.encoder_decoder_attention and not encoder_attn:
                 continue
             buf = module._get_input_buffer(state)
             if buf:
+                skip = () if self_kv or module.encoder_decoder_attention else ("prev_key", "prev_value")
                 for key, val in buf.items():
-                    if val is not None:
+                    if val is not None and key not in skip:
                         buf[key] = val.index_select(0, rows)
                 module._set_input_buffer(state, buf)
         elif hasattr(module, "reorder_incremental_state"):

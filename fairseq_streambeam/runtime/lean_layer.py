@@ -149,16 +149,18 @@ class SourceGroups:
 
 def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
                 attn_mask: Optional[Tensor], pad_mask: Optional[Tensor], slots: Optional[Slots] = None,
-                groups: Optional[SourceGroups] = None, layer_math=None) -> Tensor:
+                groups: Optional[SourceGroups] = None, layer_math=None, rows: Optional[Tensor] = None) -> Tensor:
     """The decoder layers on block `x` [N, m, C] (batch-major). `enc` [S, N, C] and `enc_mask`
     [N, S] are read while the cross-attention keys are not cached yet (`enc` None: no encoder
     output, so no cross-attention, as in fairseq); `attn_mask` [m, L] is additive over cache +
     block slots (None: all zeros); `pad_mask` [N, m] marks padding in the block (None: none).
     With `slots`, only the real slots are computed and the result is packed [T, C] (padding's
     cached keys and values are masked, so left zero). With `groups`, the cached cross-attention
-    keys hold one row per source. The cache is read into tensors for `layer_math` (default
-    `LayerMath(layers)`; runtime.compiled gives a compiled one) and written back; every layer's
-    cache holds the same key padding mask, so the masks are read from the first layer's."""
+    keys hold one row per source. `rows`: the cached rows the block's rows continue
+    (KVCache.take_pending; None: row i continues row i). The cache is read into tensors for
+    `layer_math` (default `LayerMath(layers)`; runtime.compiled gives a compiled one) and written
+    back; every layer's cache holds the same key padding mask, so the masks are read from the
+    first layer's."""
     n = x.size(0)
     if slots is not None and groups is not None:
         raise ValueError("lean_layers: slots and groups do not combine")
@@ -186,7 +188,7 @@ def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Ten
     x, ks, vs, cks, cvs = (layer_math or LayerMath(layers))(
         x, prev_k, [b.get("prev_value") for b in bufs], key_mask, attn_mask, attends, cross_k,
         [b.get("prev_value") for b in cbufs], cross_mask, enc, None if slots is None else slots.index,
-        pos, n_sources, width)
+        pos, n_sources, width, rows)
     if state is not None:
         for mha, buf, k, v in zip(selfs, bufs, ks, vs):
             buf["prev_key"], buf["prev_value"], buf["prev_key_padding_mask"] = k, v, key_mask
@@ -202,7 +204,8 @@ class LayerMath:
     """The decoder layers' math on tensors only, so `torch.compile` can trace it whole
     (runtime.compiled). Returns the block's output, each layer's self-attention keys and values
     with the block appended, and its cross-attention keys and values (computed from `enc` where
-    not cached). `attends`: an encoder output was given (fairseq skips cross-attention without one)."""
+    not cached). `attends`: an encoder output was given (fairseq skips cross-attention without one);
+    `rows`: as for `lean_layers`."""
 
     def __init__(self, layers):
         self.layers = layers
@@ -211,7 +214,7 @@ class LayerMath:
                  key_mask: Optional[Tensor], attn_mask: Optional[Tensor], attends: bool,
                  cross_k: List[Optional[Tensor]], cross_v: List[Optional[Tensor]], cross_mask: Optional[Tensor],
                  enc: Optional[Tensor], slot_index: Optional[Tensor], pos: Optional[Tensor], n_sources: int,
-                 width: int):
+                 width: int, rows: Optional[Tensor] = None):
         n, m = x.size(0), x.size(1)
         slots = None if slot_index is None else Slots(slot_index, n, m)
         groups = None if width == 0 else SourceGroups(pos, n_sources, width)
@@ -229,8 +232,8 @@ class LayerMath:
                 if ("cross", heads) not in masks:
                     masks["cross", heads] = _additive(cross_mask, None, heads, x.dtype)
                 cross_add = masks["cross", heads]
-            x, k, v, ck, cv = _layer(layer, x, attends, enc, pk, pv, masks["self", layer.self_attn.num_heads], ck,
-                                     cv, cross_add, slots, groups)
+            x, k, v, ck, cv = _layer(layer, x, attends, enc, pk, pv, rows, masks["self", layer.self_attn.num_heads],
+                                     ck, cv, cross_add, slots, groups)
             ks.append(k)
             vs.append(v)
             cks.append(ck)
@@ -252,13 +255,13 @@ def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: in
 
 
 def _layer(layer, x: Tensor, attends: bool, enc: Optional[Tensor], prev_k: Optional[Tensor], prev_v: Optional[Tensor],
-           self_add: Optional[Tensor], cross_k: Optional[Tensor], cross_v: Optional[Tensor],
+           rows: Optional[Tensor], self_add: Optional[Tensor], cross_k: Optional[Tensor], cross_v: Optional[Tensor],
            cross_add: Optional[Tensor], slots: Optional[Slots], groups: Optional[SourceGroups]):
     pre = layer.normalize_before
     residual = x
     if pre:
         x = norm(layer.self_attn_layer_norm, x)
-    h, k, v = _self_attention(layer.self_attn, x, prev_k, prev_v, self_add, slots)
+    h, k, v = _self_attention(layer.self_attn, x, prev_k, prev_v, rows, self_add, slots)
     x = residual + h
     if not pre:
         x = norm(layer.self_attn_layer_norm, x)
@@ -303,17 +306,32 @@ def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 
 def _self_attention(mha: MultiheadAttention, x: Tensor, prev_k: Optional[Tensor], prev_v: Optional[Tensor],
-                    add: Optional[Tensor], slots: Optional[Slots]):
-    """Attention output, and the keys and values with the block appended to `prev_k`/`prev_v`."""
+                    rows: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots]):
+    """Attention output, and the keys and values with the block appended to `prev_k`/`prev_v`
+    (rows `rows` of them, when given)."""
     h, d = mha.num_heads, mha.head_dim
     q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
     k = _block(linear(mha.k_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     v = _block(linear(mha.v_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     if prev_k is not None:
-        k = torch.cat([prev_k, k], dim=2)
-        v = torch.cat([prev_v, v], dim=2)  # type: ignore[list-item]
+        k = _append(prev_k, k, rows)
+        v = _append(prev_v, v, rows)  # type: ignore[arg-type]
     return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v
+
+
+def _append(prev: Tensor, new: Tensor, rows: Optional[Tensor]) -> Tensor:
+    """`new` [N, H, m, d] appended to cached slots `prev` [*, H, L, d] (rows `rows` of them): one
+    copy of the cache, where reordering and appending apart would copy it twice."""
+    if rows is None:
+        return torch.cat([prev, new], dim=2)
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():  # inductor fuses the pair itself; out= has no grad
+        return torch.cat([prev.index_select(0, rows), new], dim=2)
+    length = prev.size(2)
+    out = new.new_empty(new.size(0), new.size(1), length + new.size(2), new.size(3))
+    torch.index_select(prev, 0, rows, out=out[:, :, :length])
+    out[:, :, length:] = new
+    return out
 
 
 def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
