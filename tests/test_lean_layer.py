@@ -213,6 +213,7 @@ def test_merging_a_cache_without_masks_masks_its_padding():
                                                         [False] * 4 + [True]]
 
 
+@torch.no_grad()  # as generators decode: the reorder-and-append writes into one buffer (no autograd)
 def test_rows_read_encoder_keys_cached_per_source():
     """Rows reading their sources' encoder keys through SourceGroups (one cached row per source,
     sources with 0 to 3 rows, in any grid shape) get the logits of rows with their own copies, over
