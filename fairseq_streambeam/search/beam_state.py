@@ -57,6 +57,9 @@ def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: 
     """Rank each source's candidates: children of live rows (at most M per parent) and, for
     finished rows, the row itself carried over unchanged (token `pad`).
 
+    `live_lprobs` [live rows, V] is overwritten with the children's scores (an [N, V] tensor less
+    to allocate each step: the caller reads its log-probs no more).
+
     Two stages: top-c children per parent, then top-R over the source's parents ([B, k*c]); the
     top-R set equals that of one top-k over all parents x vocab. `like_fairseq` (fixed beams,
     fairseq's rule): when every source has 1 or k live rows, rank with fairseq's own call
@@ -73,11 +76,12 @@ def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: 
     live_score = score if all_live else score[beams.live]
     vocab = live_lprobs.size(1)
     per = n // n_sources if n_sources else 0  # live rows of each source, when all sources have as many
+    child = live_lprobs.add_(live_score.unsqueeze(1))
     if like_fairseq and all_live and per in (1, k) and per * n_sources == n and c >= r and r < per * vocab:
-        scores, idx = (live_lprobs + live_score.unsqueeze(1)).view(n_sources, per * vocab).topk(r, dim=1)
+        scores, idx = child.view(n_sources, per * vocab).topk(r, dim=1)
         parent = torch.arange(n_sources, device=device).unsqueeze(1) * per + idx // vocab
         return _ranked(scores, parent, idx % vocab, eos, pad)
-    top_s, top_t = (live_lprobs + live_score.unsqueeze(1)).topk(c, dim=1)
+    top_s, top_t = child.topk(c, dim=1)
     if all_live:
         child_s, child_t = top_s, top_t
     else:
