@@ -2,9 +2,9 @@
 
 The compiled function takes tensors only, with symbolic sizes (`dynamic=True`): rows, cache slots
 and source positions change without recompiling. A new graph comes only with a new structure of
-call (first block of a cache, full or ragged source groups, packed slots or none): a few per
-decoding, at most `GRAPH_LIMIT` (beyond it, calls run eagerly: the same math). Two of torch's
-compile settings are set around each call, for this function only:
+call (first block of a cache, full or ragged source groups, packed slots or none, rows to follow
+or none): a few per decoding, at most `GRAPH_LIMIT` (beyond it, calls run eagerly: the same math).
+Two of torch's compile settings are set around each call, for this function only:
 - `use_duck_shape=False`: by default sizes equal at the first call are assumed equal forever, and
   at a cohort's first step every source has one row, so rows would be tied to sources;
 - `recompile_limit=GRAPH_LIMIT`: torch's default of 8 is reached by the structures above across a

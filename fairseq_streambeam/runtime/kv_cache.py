@@ -33,6 +33,8 @@ class KVCache:
     the rows read through lean_layer.SourceGroups (row reorders leave them alone). fairseq's
     transformer decoder caches its encoder-attention keys at the first step, so `after_step` drops the
     outputs unless `keep_encoder_out` (other decoders, e.g. LSTM and fconv, read them every step).
+    Between a reorder and the next step, a per-source cache's `states` hold the self-attention keys
+    and values in the old row order (`pending`): only the lean step reads them as they are.
     """
 
     def __init__(self, model, n_sources: int, encoder_outs: Optional[List[EncOut]] = None,
@@ -95,7 +97,7 @@ class KVCache:
         `sources_moved=False` (new row i has old row i's source, e.g. fixed beams between finishes)
         encoder-attention buffers are not copied, most of the reorder cost for wide beams; keys
         cached per source never are, and self-attention keys and values of such a cache wait for the
-        next step (`pending`)."""
+        next step (`pending`, which keeps `rows`: not to be written to afterwards)."""
         if self.per_source:
             self.pending = rows if self.pending is None else self.pending.index_select(0, rows)
         for dec, state in zip(self.decoders, self.states):

@@ -5,7 +5,7 @@ general-purpose bookkeeping on every call (time-major reshapes and asserts, the 
 converted to float and concatenated again, head-averaged cross-attention weights requested by
 `need_attn`): a large share of a pass for the small blocks of aggressive decoding at small batch
 sizes (docs/benchmarks.md). `lean_layers` computes the same inference math from the layer's own
-modules, batch-major, in fairseq's cache layout (so every runtime.kv_cache utility works on either
+modules, batch-major, in fairseq's cache layout (so every KVCache method works on either
 path), with the attention masks built once per block, and F.linear / F.layer_norm on the modules'
 weights (`linear`, `norm`: Module.__call__ costs microseconds, tens of calls per pass). Layers with
 an option it does not implement (`lean_supported`) keep fairseq's own forward.

@@ -76,9 +76,12 @@ def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: 
     live_score = score if all_live else score[beams.live]
     vocab = live_lprobs.size(1)
     per = n // n_sources if n_sources else 0  # live rows of each source, when all sources have as many
-    child = live_lprobs.add_(live_score.unsqueeze(1))
+    if torch.result_type(live_lprobs, live_score) == live_lprobs.dtype:
+        child = live_lprobs.add_(live_score.unsqueeze(1))
+    else:  # log-probs less precise than the scores: the sum is a new tensor in the scores' precision
+        child = live_lprobs + live_score.unsqueeze(1)
     if like_fairseq and all_live and per in (1, k) and per * n_sources == n and c >= r and r < per * vocab:
-        scores, idx = child.view(n_sources, per * vocab).topk(r, dim=1)
+        scores, idx = child.reshape(n_sources, per * vocab).topk(r, dim=1)
         parent = torch.arange(n_sources, device=device).unsqueeze(1) * per + idx // vocab
         return _ranked(scores, parent, idx % vocab, eos, pad)
     top_s, top_t = child.topk(c, dim=1)
