@@ -4,27 +4,44 @@ does): moses + fastBPE for the WMT'19 models, sentencepiece for deen-tiny, none 
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 
+def text_pipeline(tokenizer: str, bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str],
+                  source_lang: str, target_lang: str) -> Tuple[Any, Any]:
+    """fairseq's tokenizer and BPE objects ("none": None), built from the options fairseq-interactive
+    reads: Moses tokenizes with `source_lang`'s rules and detokenizes with `target_lang`'s."""
+    from fairseq.data import encoders
+
+    tok = encoders.build_tokenizer(argparse.Namespace(
+        tokenizer=None if tokenizer == "none" else tokenizer, source_lang=source_lang, target_lang=target_lang,
+        moses_no_dash_splits=False, moses_no_escape=False))
+    enc = encoders.build_bpe(argparse.Namespace(bpe=None if bpe == "none" else bpe, bpe_codes=bpe_codes,
+                                                sentencepiece_model=sentencepiece_model))
+    return tok, enc
+
+
+def segment(line: str, tok: Any, bpe: Any) -> str:
+    """Raw text -> space-separated dictionary units (tokenized, then BPE-split)."""
+    if tok is not None:
+        line = tok.encode(line)
+    if bpe is not None:
+        line = bpe.encode(line)
+    return line
+
+
 class TextCodec:
     def __init__(self, task, tokenizer: str, bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str]):
-        self.tok = task.build_tokenizer(argparse.Namespace(
-            tokenizer=None if tokenizer == "none" else tokenizer, moses_source_lang=task.cfg.source_lang,
-            moses_target_lang=task.cfg.target_lang, moses_no_dash_splits=False, moses_no_escape=False))
-        self.bpe = task.build_bpe(argparse.Namespace(bpe=None if bpe == "none" else bpe, bpe_codes=bpe_codes,
-                                                     sentencepiece_model=sentencepiece_model))
+        self.tok, self.bpe = text_pipeline(tokenizer, bpe, bpe_codes, sentencepiece_model,
+                                           task.cfg.source_lang, task.cfg.target_lang)
         self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
 
     def encode(self, line: str) -> torch.Tensor:
         """Source ids with EOS; words outside the dictionary become unk."""
-        if self.tok is not None:
-            line = self.tok.encode(line)
-        if self.bpe is not None:
-            line = self.bpe.encode(line)
-        return self.src_dict.encode_line(line, add_if_not_exist=False, append_eos=True).long()
+        return self.src_dict.encode_line(segment(line, self.tok, self.bpe), add_if_not_exist=False,
+                                         append_eos=True).long()
 
     def decode(self, ids: List[int]) -> str:
         text = self.tgt_dict.string(torch.tensor(ids))

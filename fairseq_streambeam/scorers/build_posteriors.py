@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..textio import segment, text_pipeline
 from .lmbr import MAX_ORDER, NGram, write_posteriors
 
 H_LINE = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
@@ -122,29 +123,15 @@ def segmenter(tokenizer: str = "none", bpe: str = "none", bpe_codes: Optional[st
     decode_corpus encode text), or None when neither is asked for (text already in units)."""
     if tokenizer == "none" and bpe == "none":
         return None
-    from fairseq.data import encoders
-
     if bpe == "sentencepiece" and not sentencepiece_model:
         raise EvidenceError("--bpe sentencepiece needs --sentencepiece-model")
     if bpe in ("fastbpe", "subword_nmt") and not bpe_codes:
         raise EvidenceError(f"--bpe {bpe} needs --bpe-codes")
     try:
-        tok = encoders.build_tokenizer(argparse.Namespace(
-            tokenizer=None if tokenizer == "none" else tokenizer, source_lang=lang, target_lang=lang,
-            moses_no_dash_splits=False, moses_no_escape=False))
-        enc = encoders.build_bpe(argparse.Namespace(
-            bpe=None if bpe == "none" else bpe, bpe_codes=bpe_codes, sentencepiece_model=sentencepiece_model))
+        tok, enc = text_pipeline(tokenizer, bpe, bpe_codes, sentencepiece_model, lang, lang)
     except (ImportError, OSError, KeyError, RuntimeError) as e:
         raise EvidenceError(f"cannot build --tokenizer {tokenizer} / --bpe {bpe}: {e}") from e
-
-    def segment(line: str) -> List[str]:
-        if tok is not None:
-            line = tok.encode(line)
-        if enc is not None:
-            line = enc.encode(line)
-        return line.split()
-
-    return segment
+    return lambda line: segment(line, tok, enc).split()
 
 
 @dataclass
