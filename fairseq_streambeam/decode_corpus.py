@@ -21,17 +21,17 @@ import json
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .frontend import add_generation_options, add_model_options, add_task_options, check_model_options, load_model
+from .runtime.counters import Counters
 from .spec import UsageError
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
-_ADDITIVE = ("sentences", "decoder_steps", "expansions", "encoder_calls", "accepted_tokens", "verified_rows",
-             "block_slots", "backoff_hypotheses",
-             "model_seconds", "draft_seconds", "total_seconds", "source_positions", "padded_positions")
+_ADDITIVE = {f.name for f in fields(Counters)} - {"trace"}
 
 
 def check_args(args) -> None:

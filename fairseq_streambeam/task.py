@@ -154,7 +154,7 @@ class StreamBeamTranslationTask(TranslationTask):
         counters = getattr(generator, "counters", None)
         if not ours and counters is not None:  # fairseq's generator: sentences and time only
             counters.sentences += len(out)
-            counters.seconds.total += time.perf_counter() - t
+            counters.total_seconds += time.perf_counter() - t
         return out
 
 

@@ -54,7 +54,7 @@ def test_gad_beta1_equals_greedy(k, n):
     ref = fairseq_generate([m], D, s, beam_size=1, **kw)
     got, gen = gad([m], s, dr, k=k, n=n, **kw)
     assert_same_hypos(ref, got)
-    assert gen.counters.sentences == 12 and gen.counters.drafting.verified_rows > 0
+    assert gen.counters.sentences == 12 and gen.counters.verified_rows > 0
 
 
 def test_gad_ensemble_equals_greedy():
@@ -89,7 +89,7 @@ def test_drafters_keep_no_reference_to_the_generators_lists():
                               max_len_b=12)
     got = gen.generate([m], s)
     assert_same_hypos(ref, got)
-    assert gen.counters.drafting.accepted_tokens == sum(len(h[0]["tokens"]) for h in got)
+    assert gen.counters.accepted_tokens == sum(len(h[0]["tokens"]) for h in got)
 
 
 class Recording(ModelDrafter):

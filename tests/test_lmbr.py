@@ -64,7 +64,7 @@ def test_hand_computed_scores_and_history_rows():
     assert out[6].item() == pytest.approx((-0.5 + 3 * 0.1) / 0.5)  # only the trigram (a b c)
     assert out[4].item() == pytest.approx((-0.5 + 0.9 + 2 * 0.2) / 0.5)  # P(a) + P(b a)
     assert s.advance(st, torch.tensor([PAD])).item() == st.item()  # a carried candidate keeps its row
-    assert s.advance(st, torch.tensor([20])).item() == s.root_of[st].item()  # unseen word: back to the root
+    assert s.advance(st, torch.tensor([20])).item() == s.anc[st, 0].item()  # unseen word: back to the root
 
 
 def test_posteriors_without_their_substrings_score_as_the_reference():
@@ -80,7 +80,6 @@ def test_posteriors_without_their_substrings_score_as_the_reference():
             assert got[v].item() == pytest.approx(reference_score(post, THETA, 1.0, hist, v, lp[0, v].item()), abs=1e-5)
         st = s.advance(st, torch.tensor([w]))
         hist.append(w)
-    assert s.chain(st)[0].tolist()[2:] == [s.root_of[st].item(), -1]  # history (.. 5 9): rows (5 9), (9), root
 
 
 def _random_posteriors(rng, n_entries=4, vocab=range(4, 30)):

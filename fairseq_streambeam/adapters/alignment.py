@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 import torch
+import torch.nn.functional as F
 from fairseq import utils
 from torch import Tensor
 
@@ -18,16 +19,14 @@ def extend(hist: Tensor, parents: Tensor, step_attn: Tensor, live_row: Tensor, s
     """History of each child [K, L + 1, S]: its parent's history (`hist` [rows, L, S]) and, where the
     child was made this step (`stepped` [K]), the attention of its parent's live row `live_row` [K]
     in `step_attn` [live, S]; a carried finished candidate gets zeros, which its length never reads."""
-    width = step_attn.size(1)
-    if hist.size(2) < width:
-        hist = pad_width(hist, width)
+    hist = pad_width(hist, step_attn.size(1))
     col = step_attn.index_select(0, live_row.clamp(min=0)) * stepped.unsqueeze(1).to(step_attn.dtype)
     return torch.cat([hist.index_select(0, parents), col.unsqueeze(1)], 1)
 
 
 def pad_width(hist: Tensor, width: int) -> Tensor:
     """Zero attention on encoder positions added on the right (merged cohorts pad the source)."""
-    return torch.cat([hist, hist.new_zeros(hist.size(0), hist.size(1), width - hist.size(2))], 2)
+    return hist if hist.size(2) >= width else F.pad(hist, (0, width - hist.size(2)))
 
 
 def cat(a: Tensor, b: Tensor) -> Tensor:

@@ -179,11 +179,11 @@ def main(argv=None):
             "expansions": c.expansions if c else None,
             "expansions_per_step": round(c.expansions_per_step, 2) if c else None,
             "padding_share": (round(c.padding_share, 3)
-                              if c and (c.attended.padded or c.drafting.verified_rows) else None),
-            "accepted_per_pass": round(c.accepted_per_pass, 2) if c and c.drafting.accepted_tokens else None,
+                              if c and (c.padded_positions or c.verified_rows) else None),
+            "accepted_per_pass": round(c.accepted_per_pass, 2) if c and c.accepted_tokens else None,
             # counters of the last repeat (each repeat builds its generator afresh)
-            "model_seconds": round(c.seconds.model, 3) if c else None,
-            "draft_seconds": round(c.seconds.draft, 3) if c and c.drafting.verified_rows else None,
+            "model_seconds": round(c.model_seconds, 3) if c else None,
+            "draft_seconds": round(c.draft_seconds, 3) if c and c.verified_rows else None,
             "peak_mb": r["peak"],
             "sentences_per_second": round(n / mean, 2),
             "identical_to_exact_ref": round(sum(r["hyps"][i] == exact[i] for i in range(n)) / n, 4) if exact else None,

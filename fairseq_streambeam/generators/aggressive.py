@@ -137,7 +137,7 @@ class AggressiveGenerator(SequenceGenerator):
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(len(srcs))]
         self.driver.run(self.engine(srcs, results, prefix_tokens, bos_token), srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)
-        self.counters.seconds.total += time.perf_counter() - t0
+        self.counters.total_seconds += time.perf_counter() - t0
         return results
 
     @staticmethod
@@ -161,7 +161,7 @@ class AggressiveGenerator(SequenceGenerator):
         if enc is not None and len({srcs.lengths[i] for i in new}) == 1:
             enc = without_padding_mask(enc)  # no padding: cross-attention needs no mask
         draft = self.drafter.open(srcs, new)
-        self.counters.seconds.model += time.perf_counter() - t
+        self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
         rows = RowState(list(new), [srcs.max_lens[i] for i in new], [[] for _ in new], [[] for _ in new],
                         None if prefix is None else [prefix[i] for i in new])
@@ -183,12 +183,12 @@ class AggressiveGenerator(SequenceGenerator):
         verdict = self._verify(g, block)
         g.cache.after_step()
         g.steps += 1
-        self.counters.seconds.model += time.perf_counter() - t
+        self.counters.model_seconds += time.perf_counter() - t
         n = g.n_sources
         self.counters.decoder_steps += 1
         self.counters.expansions += n * block.width if block.slots is None else int(block.slots.index.numel())
-        self.counters.drafting.verified_rows += n
-        self.counters.drafting.block_slots += n + sum(block.lens)
+        self.counters.verified_rows += n
+        self.counters.block_slots += n + sum(block.lens)
         accepted, done_rows = self._accept_tokens(g, verdict, results, block.tokens.device)
         produced = sum(map(len, accepted))
         self.drafter.advance(g.draft, accepted)
@@ -196,7 +196,7 @@ class AggressiveGenerator(SequenceGenerator):
         self.draft_budget.update(block.lens, matched)
         g.cache.rollback([j + 1 for j in matched], block.width)  # drop the rejected slots
         done = self._evict(g, done_rows, block.tokens.device)
-        self.counters.drafting.accepted_tokens += produced
+        self.counters.accepted_tokens += produced
         if self.draft_switch is not None and timed:
             self.draft_switch.record(block.width > 1, time.perf_counter() - t, produced)
         return done
@@ -211,7 +211,7 @@ class AggressiveGenerator(SequenceGenerator):
             worth = 0
         t = time.perf_counter()
         drafts, lens = self.drafter.propose(g.draft, [min(c, worth) for c in caps])
-        self.counters.seconds.draft += time.perf_counter() - t
+        self.counters.draft_seconds += time.perf_counter() - t
         m = 1 + max(lens, default=0)
         drafts = drafts[:, :m - 1]  # a drafter may draft more than the caps allow: those slots are not verified
         # the block's layout on the host (numpy: cheaper than a few small torch ops)

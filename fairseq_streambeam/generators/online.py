@@ -143,5 +143,5 @@ class OnlineDecoder:
             self.srcs.forget(row)
         c = self.gen.counters
         c.sentences += len(done)
-        c.seconds.total += time.perf_counter() - t0
+        c.total_seconds += time.perf_counter() - t0
         return out

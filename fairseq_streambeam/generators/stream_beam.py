@@ -38,7 +38,6 @@ from ..scorers.base import ScorerStack
 from ..search.beam_state import Beams, rank_candidates
 from ..search.finalize import Ranked, build_finalize
 from ..search.penalties import FairseqPenalties
-from ..search.pruning import Pruning
 from ..spec import DecodeSpec, UsageError
 from .common import Sources, empty_hypothesis, family_spec, hypothesis, sequence_generator_args, to_host
 
@@ -196,8 +195,7 @@ class StreamBeamGenerator(SequenceGenerator):
         check_incremental(self.model)
         check_vocabulary(self.model, tgt_dict)
         self.spec = spec
-        p = spec.pruning
-        self.pruning = Pruning(self.beam_size, p.delta, p.max_cands)  # fairseq caps k at the vocabulary
+        self.pruning = replace(spec.pruning, beam_size=self.beam_size)  # fairseq caps k at the vocabulary
         self.finalizer = build_finalize(spec.rule, self.beam_size, spec.finish_count, spec.nbest)
         # fixed beams under fairseq's rule rank ties in fairseq's order (search/beam_state.py)
         self.rank_like_fairseq = self.pruning.is_fixed and spec.rule == "fairseq"
@@ -251,7 +249,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if self.print_alignment:
             alignment.add_alignments(out, srcs.net_input["src_tokens"], self.pad, self.eos, self.print_alignment)
         self.counters.sentences += n_src
-        self.counters.seconds.total += time.perf_counter() - t0
+        self.counters.total_seconds += time.perf_counter() - t0
         return out
 
     def engine(self, srcs, results, prefix_tokens: Optional[Tensor] = None,
@@ -280,7 +278,7 @@ class StreamBeamGenerator(SequenceGenerator):
             new = sorted(new, key=lambda i: -srcs.lengths[i])
         t = self._tick()
         enc = forward_encoder(self.model, srcs.subset_input(new))
-        self.counters.seconds.model += self._tock(t)
+        self.counters.model_seconds += self._tick() - t
         self.counters.encoder_calls += 1
         device, dtype = srcs.device, torch.float32
         state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
@@ -338,7 +336,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if self.lm_model is not None:  # shallow fusion as fairseq does it: the LM reads the whole prefix
             lm_out = self.lm_model(live.tokens)
             lprobs = lprobs + self.lm_weight * self.lm_model.get_normalized_probs(lm_out, log_probs=True)[:, -1, :]
-        self.counters.count_step(c.steps, live.tokens.size(0), self._tock(t), c.src_width,
+        self.counters.count_step(c.steps, live.tokens.size(0), self._tick() - t, c.src_width,
                                  int(c.src.src_len[c.cache_src_h].sum()))
         c.cache.after_step()
         if c.ragged:
@@ -541,9 +539,6 @@ class StreamBeamGenerator(SequenceGenerator):
         if self.spec.profile and torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter()
-
-    def _tock(self, t: float) -> float:
-        return self._tick() - t
 
 
 def _widen(b: Beams, length: int, pad: int) -> Beams:

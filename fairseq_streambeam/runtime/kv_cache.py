@@ -5,9 +5,9 @@ masked slots get exactly zero attention weight (fairseq's key padding mask). Row
 selected and merged (`cat` pads shorter buffers with masked slots); slots are primed, rolled back,
 truncated and compacted; encoder outputs are kept for decoders that read them every step.
 
-fairseq adapter: this is the only module that reads or writes fairseq's incremental-state dicts
-(MultiheadAttention buffers `prev_key`/`prev_value` [N, H, L, d], `prev_key_padding_mask` [N, L]);
-each fairseq behaviour it works around is named where it is.
+fairseq adapter: this module and the lean step (lean_layer.lean_layers) read and write fairseq's
+incremental-state dicts (MultiheadAttention buffers `prev_key`/`prev_value` [N, H, L, d],
+`prev_key_padding_mask` [N, L]); each fairseq behaviour worked around is named where it is.
 """
 
 from __future__ import annotations

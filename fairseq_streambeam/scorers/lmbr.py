@@ -118,16 +118,11 @@ class LMBRScorer:
 
     def reset(self) -> None:
         """Forget the rows of earlier sources (called per generate call)."""
-        self.anc = self.level = self.count = self.row_ptr = self.ent_tok = self.ent_score = None
+        self.anc = self.count = self.row_ptr = self.ent_tok = self.ent_score = None
         self.trans_key = self.trans_next = None
         self.rows = 0
         self.width = [0] * MAX_ORDER  # most entries of a row, per history length
         self._cols: Optional[Tuple[Tensor, Tensor]] = None
-
-    @property
-    def root_of(self) -> Tensor:
-        """Each row's sentence root."""
-        return self.anc[:, 0]
 
     def start(self, sentence_ids: Sequence[int], device: torch.device) -> Tensor:
         """Build rows for new sources; returns each source's initial state (its root row)."""
@@ -148,14 +143,16 @@ class LMBRScorer:
         trans = ent_next >= 0
         for h in range(MAX_ORDER):
             self.width[h] = max(self.width[h], int(count[level == h].max(initial=0)))
-        self._cols = self._columns(device)
+        # per gathered column: the history length whose row it reads, and the entry within the row (as
+        # many columns per length as its longest row has entries); built here, so a step uploads nothing
+        lvl = torch.cat([torch.full((w,), h, dtype=torch.long) for h, w in enumerate(self.width)])
+        self._cols = lvl.to(device), torch.cat([torch.arange(w) for w in self.width]).to(device)
 
         def cat(old, new, dtype):
             new_t = torch.from_numpy(np.ascontiguousarray(new)).to(device=device, dtype=dtype)
             return new_t if old is None else torch.cat([old, new_t])
 
         self.anc = cat(self.anc, np.concatenate([t.anc for t in tables]), torch.long)
-        self.level = cat(self.level, level, torch.long)
         self.count = cat(self.count, count, torch.long)
         self.row_ptr = cat(self.row_ptr, ptr, torch.long)
         self.ent_tok = cat(self.ent_tok, ent_tok, torch.long)
@@ -164,20 +161,6 @@ class LMBRScorer:
         self.trans_key = cat(self.trans_key, ent_row[trans] * KEY_BASE + ent_tok[trans], torch.long)
         self.trans_next = cat(self.trans_next, ent_next[trans], torch.long)
         return torch.tensor([t.root for t in tables], dtype=torch.long, device=device)
-
-    def _columns(self, device: torch.device) -> Tuple[Tensor, Tensor]:
-        """Per gathered column: the history length whose row it reads, and the entry within the row
-        (as many columns per length as its longest row has entries). Built at admission, so a
-        decoder step uploads nothing."""
-        lvl = torch.cat([torch.full((w,), h, dtype=torch.long) for h, w in enumerate(self.width)])
-        span = torch.cat([torch.arange(w) for w in self.width])
-        return lvl.to(device), span.to(device)
-
-    def chain(self, state: Tensor) -> Tensor:
-        """[N, 4] rows along each candidate's back-off chain (-1 past the root)."""
-        anc = self.anc[state]
-        j = self.level[state].unsqueeze(1) - torch.arange(MAX_ORDER, device=state.device)
-        return torch.where(j >= 0, anc.gather(1, j.clamp(min=0)), torch.full_like(anc, -1))
 
     def score(self, lprobs: Tensor, state: Tensor) -> Tensor:
         """lprobs + Theta0 / lambda (in place), plus the entries (Theta_n P / lambda) of the rows of
