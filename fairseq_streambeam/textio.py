@@ -9,6 +9,13 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 
+def read_lines(path) -> List[str]:
+    """A UTF-8 text file's lines, split at newlines only, as fairseq and sacrebleu read
+    them: str.splitlines also splits at \\x85, \\x0c, U+2028 and others, which real corpora contain."""
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
 def text_pipeline(tokenizer: str, bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str],
                   source_lang: str, target_lang: str) -> Tuple[Any, Any]:
     """fairseq's tokenizer and BPE objects ("none": None), built from the options fairseq-interactive

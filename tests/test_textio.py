@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from fairseq.data import Dictionary
 
-from fairseq_streambeam.textio import TextCodec
+from fairseq_streambeam.textio import TextCodec, read_lines
 
 
 def test_moses_tokenizes_the_source_with_its_own_languages_rules():
@@ -23,3 +24,49 @@ def test_moses_tokenizes_the_source_with_its_own_languages_rules():
     assert d.string(codec.encode("Er kam am 3. Oktober.")) == "Er kam am 3. Oktober ."
     assert codec.decode(d.encode_line("He came on 3rd October .", add_if_not_exist=False).tolist()) == \
         "He came on 3rd October."
+
+
+def test_text_files_split_at_newlines_only(tmp_path):
+    """A \\x85 inside a sentence (real training text has them) does not shift the sentence ids, in
+    the bench's raw sources and references as in LMBR evidence files."""
+    from fairseq_streambeam.scorers.build_posteriors import read_evidence
+
+    f = tmp_path / "ref.txt"
+    f.write_text("He said\x85 no.\r\nYes.\n", encoding="utf-8")
+    assert read_lines(f) == ["He said\x85 no.", "Yes."]
+    ev = tmp_path / "n.txt"
+    ev.write_text("a\x85b\nc\n", encoding="utf-8")
+    assert len(read_evidence(str(ev), "text", 1)) == 2
+
+
+def test_bench_references_escape_unk_as_fairseq_generate(tmp_path):
+    """A reference's <unk> is printed as fairseq-generate's T- line prints it (<<unk>>), so a
+    hypothesis's <unk> never counts as a match."""
+    from fairseq.data import LanguagePairDataset
+
+    from fairseq_streambeam.bench.data import from_data_bin
+
+    d = Dictionary()
+    for w in "a b".split():
+        d.add_symbol(w)
+    src, tgt = [d.encode_line("a b", add_if_not_exist=False)], [torch.tensor([d.index("a"), d.unk(), d.eos()])]
+    ds = LanguagePairDataset(src, [3], d, tgt, [3], d)
+    task = SimpleNamespace(load_dataset=lambda s: None, dataset=lambda s: ds, source_dictionary=d, target_dictionary=d)
+    assert from_data_bin(task, "test", 0, None).refs == ["a <<unk>>"]
+
+
+def test_calibrate_tokenizes_evidence_in_the_target_language(tmp_path):
+    """streambeam-calibrate segments LMBR evidence (target text) with --target-lang's Moses rules."""
+    pytest.importorskip("sacremoses", reason="sacremoses: pip install -e '.[test]'")
+    from fairseq_streambeam.calibrate import parse_args
+    from fairseq_streambeam.scorers.build_posteriors import load_evidence
+
+    ev = tmp_path / "n.txt"
+    ev.write_text("Am 3. Oktober.\n", encoding="utf-8")
+    d = Dictionary()
+    for w in "Am 3. Oktober .".split():
+        d.add_symbol(w)
+    a = parse_args(["--data", str(tmp_path), "--path", "m.pt", "-s", "en", "-t", "de", "--tokenizer", "moses",
+                    "--nbest", str(ev), "--n", "1"])
+    _, summary = load_evidence(a, d)
+    assert summary.endswith("; 0 of 4 evidence units not in the dictionary (mapped to unk)")  # "3" would be one

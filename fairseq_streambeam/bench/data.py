@@ -2,14 +2,13 @@
 own tokenizer/BPE classes (moses + fastBPE for the WMT'19 models, sentencepiece for deen-tiny)."""
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 from fairseq.data import BaseWrapperDataset, LanguagePairDataset
 
-from ..textio import TextCodec
+from ..textio import TextCodec, read_lines
 
 
 @dataclass
@@ -67,15 +66,14 @@ def from_data_bin(task, subset: str, limit: int, post_process: Optional[str],
     dataset = LanguagePairDataset(src, [len(x) for x in src], task.source_dictionary, tgt, [len(x) for x in tgt],
                                   task.target_dictionary)
     tgt_dict, src_dict = task.target_dictionary, task.source_dictionary
-    refs = [tgt_dict.string(t, post_process) for t in tgt]
+    refs = [tgt_dict.string(t, post_process, escape_unk=True) for t in tgt]  # as fairseq-generate's T- lines
     return TestSet(dataset, refs, lambda ids: tgt_dict.string(torch.tensor(ids), post_process),
                    [[src_dict[i] for i in s[:-1].tolist()] for s in src], keep)
 
 
 def from_raw(task, src_path: str, ref_path: str, limit: int, tokenizer: str, bpe: str, bpe_codes: Optional[str],
              sentencepiece_model: Optional[str], lines: Optional[Tuple[int, int]] = None) -> TestSet:
-    src_lines = Path(src_path).read_text(encoding="utf-8").splitlines()
-    ref_lines = Path(ref_path).read_text(encoding="utf-8").splitlines()
+    src_lines, ref_lines = read_lines(src_path), read_lines(ref_path)
     if len(src_lines) != len(ref_lines):
         raise ValueError(f"{src_path} has {len(src_lines)} lines but {ref_path} has {len(ref_lines)}")
     keep = _every(len(src_lines), limit, lines)

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..textio import segment, text_pipeline
+from ..textio import read_lines, segment, text_pipeline
 from .lmbr import MAX_ORDER, NGram, write_posteriors
 
 H_LINE = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
@@ -45,7 +45,7 @@ class EvidenceError(ValueError):
 
 def _lines(path: str) -> List[str]:
     try:
-        return Path(path).read_text(encoding="utf-8").splitlines()
+        return read_lines(path)
     except (OSError, UnicodeDecodeError) as e:
         raise EvidenceError(f"{path}: cannot read ({e})") from e
 
@@ -220,7 +220,8 @@ def to_ids(system: Dict[int, List[Entry]], d) -> Tuple[Dict[int, List[IdEntry]],
 
 def add_evidence_args(p: argparse.ArgumentParser, required: bool = True, segmentation: bool = True) -> None:
     """The evidence options shared by this tool and the calibrator (which has its own segmentation
-    options, for the raw dev source and the evidence alike: `segmentation=False`)."""
+    options, for the raw dev source and the evidence alike, and tokenizes the evidence in its
+    --target-lang: `segmentation=False`)."""
     p.add_argument("--nbest", nargs="+", required=required, metavar="FILE",
                    help="evidence: one file per system (several = system combination)")
     p.add_argument("--format", choices=FORMATS, default="auto",
@@ -233,7 +234,7 @@ def add_evidence_args(p: argparse.ArgumentParser, required: bool = True, segment
         p.add_argument("--bpe", default="none", help="segment raw evidence with fairseq's BPE: sentencepiece, ...")
         p.add_argument("--bpe-codes", help="with --bpe fastbpe / subword_nmt")
         p.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
-    p.add_argument("--lang", default="en", help="target language for --tokenizer moses")
+        p.add_argument("--lang", default="en", help="target language for --tokenizer moses")
 
 
 def load_evidence(args, d) -> Tuple[Evidence, str]:
@@ -246,7 +247,8 @@ def load_evidence(args, d) -> Tuple[Evidence, str]:
             weights = [float(w) for w in args.weights.split(",")]
         except ValueError:
             raise EvidenceError(f"--weights {args.weights!r}: not comma-separated numbers") from None
-    seg = segmenter(args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model, args.lang)
+    lang = args.lang if "lang" in args else args.target_lang  # the evidence is target-language text
+    seg = segmenter(args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model, lang)
     systems, unknown, total = [], 0, 0
     for path in args.nbest:
         ids, u, t = to_ids(read_evidence(path, args.format, args.n, seg), d)
