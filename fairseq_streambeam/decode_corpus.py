@@ -197,7 +197,9 @@ class ShardDecoder:
         self.max_src = min(m.max_positions()[0] for m in self.models)
         self.gen = None  # built once, at the first shard (batching sets the live budget first)
 
-    def decode(self, raw: List[bytes], progress) -> Tuple[List[str], dict, dict]:
+    def decode(self, raw: List[bytes], progress, first: int = 0) -> Tuple[List[str], dict, dict]:
+        """Detokenized best hypotheses of lines `raw` (the corpus's lines from `first` on, whose
+        0-based corpus line numbers are the ids that --lmbr-posteriors and --token-masks key)."""
         from fairseq import utils
         from fairseq.data import LanguagePairDataset
 
@@ -226,10 +228,11 @@ class ShardDecoder:
         before = self.gen.counters.as_dict()
         out: Dict[int, str] = {}
         for sample in itr:
+            sample["id"] = sample["id"] + first  # corpus line numbers, not the shard's
             if self.cuda:
                 sample = utils.move_to_cuda(sample)
             hypos = self.task.inference_step(self.gen, self.models, sample)
-            for i, sid in enumerate(sample["id"].tolist()):
+            for i, sid in enumerate((sample["id"] - first).tolist()):
                 best = hypos[i][: self.args.nbest]
                 out[sid] = "\t".join(self.codec.decode(h["tokens"].tolist()).replace("\n", " ") for h in best)
             progress.update(len(hypos))
@@ -268,7 +271,7 @@ def main(argv=None) -> int:
             a, b = ranges[i]
             with tqdm(total=b - a, desc=f"[{rank}] {SHARD.format(i)}", disable=args.quiet, leave=False,
                       file=sys.stderr) as bar:
-                hyps, counters, bad = dec.decode(lines[a:b], bar)
+                hyps, counters, bad = dec.decode(lines[a:b], bar, a)
             text = "".join(h + "\n" for h in hyps)
             write_atomic(shard_dir / (SHARD.format(i) + ".out"), text)
             record = {"id": i, "start": a, "end": b, "status": "done", "checksum": checksum(text), "key": keys[i],

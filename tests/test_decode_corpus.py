@@ -292,3 +292,15 @@ def test_other_input_or_options_are_decoded_again(corpus, tmp_path, capsys):
     capsys.readouterr()
     assert decode_main([*greedy[:j], str(edited), *greedy[j + 1:]]) == 0
     assert f"{-(-n // 10) - 1} already done, 1 to decode" in capsys.readouterr().out
+
+
+def test_token_masks_key_corpus_lines_across_shards(tiny_run, tmp_path):
+    """--token-masks (and --lmbr-posteriors) key sentences by their 0-based line in the corpus, in
+    every shard: a mask allowing only EOS empties exactly that line."""
+    masks = tmp_path / "masks.jsonl"
+    masks.write_text('{"id": 3, "allow": [2]}\n', encoding="utf-8")
+    args = [a if a != "100" else "2" for a in _tiny_args(tiny_run, tmp_path / "out", "--decoding", "greedy",
+                                                          "--token-masks", str(masks))]
+    assert decode_main(args) == 0
+    lines = (tmp_path / "out" / "output.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    assert [i for i, line in enumerate(lines) if not line] == [3]
