@@ -246,9 +246,17 @@ def test_lm_fusion_through_the_task_and_var_stream():
     assert_same_hypos(out["var-batch"], out["var-stream"])
 
 
+def match_source_len_generator(models, d, **kw) -> SequenceGenerator:
+    """fairseq's generator for --match-source-len as its task builds it (fairseq-generate, the hub)."""
+    from fairseq.search import LengthConstrainedBeamSearch
+
+    return SequenceGenerator(models, d, search_strategy=LengthConstrainedBeamSearch(d, 1, 0, 1, 0), **kw)
+
+
 def test_match_source_len_matches_fairseq_per_source():
     """fairseq caps outputs at the batch's longest source; here each source's own length caps its
-    output, which is fairseq's result for a source decoded alone (and for equal-length batches)."""
+    output, which is fairseq's result for a source decoded alone (and for equal-length batches):
+    every output is exactly as long as its source with EOS."""
     d = make_dict(40)
     m = random_transformer(d, 17, eos_bias=-2.0)  # long outputs, so the cap matters
     sents = random_sentences(d, 6, 18, min_len=2, max_len=9)
@@ -257,12 +265,13 @@ def test_match_source_len_matches_fairseq_per_source():
     got, _ = ours([m], d, sample, **kw)
     streamed, _ = ours([m], d, sample, decoding="fixed-stream", budget=Budget(2), **kw)
     assert_same_hypos(got, streamed)
+    ragged, _ = ours([m], d, sample, decoding="fixed-stream", stream_order="continuous", budget=Budget(3), **kw)
+    assert_same_hypos(got, ragged)  # rows at their own steps
     rows = [sents[i] for i in sample["id"].tolist()]  # the collater sorts sources by length
     for hypos, sent in zip(got, rows):
-        ref = SequenceGenerator([m], d, **kw).generate([m], make_sample(d, [sent]))
+        ref = match_source_len_generator([m], d, **kw).generate([m], make_sample(d, [sent]))
         assert_same_hypos(ref, [hypos])
-        assert all(len(h["tokens"]) <= len(sent) + 2 for h in hypos)  # source length with EOS, then EOS
-    assert any(len(h[0]["tokens"]) == len(s) + 2 for h, s in zip(got, rows)), "the cap should bind"
+        assert all(len(h["tokens"]) == len(sent) + 2 for h in hypos)  # source length with EOS, then EOS
 
 
 def test_print_alignment_deen_tiny_matches_fairseq():
@@ -303,5 +312,5 @@ def test_match_source_len_deen_tiny_matches_fairseq_per_source():
     got = ours(models, d, s, **kw)[0]
     assert_same_hypos(got, ours(models, d, s, decoding="fixed-stream", budget=Budget(3), **kw)[0])
     for hypos, i in zip(got, s["id"].tolist()):
-        ref = SequenceGenerator(models, d, **kw).generate(models, ds.collater([ds[i]]))
+        ref = match_source_len_generator(models, d, **kw).generate(models, ds.collater([ds[i]]))
         assert_same_hypos(ref, [hypos])

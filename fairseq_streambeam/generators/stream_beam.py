@@ -355,7 +355,10 @@ class StreamBeamGenerator(SequenceGenerator):
         prefix = None
         if s.prefix is not None and L < s.prefix.size(1):
             prefix = s.prefix[:, L].index_select(0, live.src)
-        return self.penalties(lprobs, L, at_max, prefix, live.tokens)
+        lprobs = self.penalties(lprobs, L, at_max, prefix, live.tokens)
+        if self.match_source_len:  # each source's limit is its length
+            self.penalties.match_length(lprobs, L, s.max_len_t.index_select(0, live.src))
+        return lprobs
 
     def _select(self, c: BeamCohort, lprobs: Tensor) -> Selection:
         """Rank each source's candidates, apply the finalization rule and delta pruning, and find
@@ -485,6 +488,8 @@ class StreamBeamGenerator(SequenceGenerator):
         lprobs = self.penalties(lprobs, max(int(s.steps.h.min()), self.min_len), at_max, None, tokens_in)
         if short:  # no EOS before the minimum length, per row: an -inf write, like the others in any order
             lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(steps < self.min_len, -math.inf)
+        if self.match_source_len:
+            self.penalties.match_length(lprobs, steps, s.max_len_t.index_select(0, row_src))
         return lprobs
 
     def _tidy_ragged(self, c: BeamCohort) -> None:

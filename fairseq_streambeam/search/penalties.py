@@ -43,6 +43,12 @@ class FairseqPenalties:
             block_repeated_ngrams(lprobs, tokens, self.no_repeat_ngram)
         return lprobs
 
+    def match_length(self, lprobs: Tensor, steps, length: Tensor) -> None:
+        """--match-source-len as fairseq's task builds it (LengthConstrainedBeamSearch, both bounds at
+        the source's length with EOS), after every other adjustment: rows at `steps` (an int, or [N])
+        get no EOS before their `length` [N] and EOS at log-prob 0 from there on."""
+        lprobs[:, self.eos] = torch.where(length > steps, -math.inf, 0.0)
+
     # Every adjustment but the unk penalty only writes -inf (or keeps the EOS column), and -inf -
     # penalty is -inf: the row-wide and the column adjustments commute, so a top-1 caller may apply
     # the cheap column writes first and the row-wide passes only if needed.
