@@ -187,10 +187,11 @@ def _span(text: Optional[str], name: str) -> Optional[Tuple[int, int]]:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from .bench.data import add_input_args
+    from .frontend import OneLineParser
     from .scorers.build_posteriors import add_evidence_args
 
-    p = argparse.ArgumentParser(prog="streambeam-calibrate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="streambeam-calibrate", description=__doc__.split("\n\n")[0],
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", required=True, help="fairseq data-bin (or a directory with the dictionaries)")
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)

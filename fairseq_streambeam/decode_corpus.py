@@ -25,7 +25,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .frontend import add_generation_options, add_model_options, add_task_options, check_model_options, load_model
+from .frontend import (
+    OneLineParser,
+    add_generation_options,
+    add_model_options,
+    add_task_options,
+    check_model_options,
+    load_model,
+)
 from .runtime.counters import Counters
 from .spec import UsageError
 
@@ -45,8 +52,8 @@ def check_args(args) -> None:
 def parse_args(argv=None):
     """The command line, checked before anything loads or is written: a usage mistake is one line
     `prog: error: ...` and exit status 2."""
-    p = argparse.ArgumentParser(prog="streambeam-decode-corpus", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="streambeam-decode-corpus", description=__doc__.split("\n\n")[0],
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="raw text file(s), read as one stream of lines")
     p.add_argument("--output-dir", required=True)
     add_model_options(p)

@@ -13,6 +13,7 @@ from typing import List
 
 from .options import plugin_fields
 from .spec import DECODINGS, UsageError, check_files, from_cli, is_checkpoint_file
+from .textio import BPES, bpe_problem
 
 # the front ends' default and choices for the task's --decoding: streaming by default, and not
 # `fairseq` (fairseq's stock generator keeps no counters and has no online loop)
@@ -25,6 +26,14 @@ GENERATION_OPTIONS = ("beam", "nbest", "lenpen", "unkpen", "max_len_a", "max_len
                       "unnormalized", "no_repeat_ngram_size", "match_source_len")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own mistakes (an unknown option, a bad choice or number) as one line
+    `prog: error: ...` with exit status 2, like the commands' other usage errors, not after the usage text."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """The model, its dictionaries and text processing, the live budget, threads and precision
     (the decoding options: add_generation_options and add_task_options)."""
@@ -33,7 +42,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--source-lang", required=True)
     p.add_argument("-t", "--target-lang", required=True)
     p.add_argument("--tokenizer", default="none", choices=["none", *_registered("tokenizer")])
-    p.add_argument("--bpe", default="none", choices=["none", *_registered("bpe")])
+    p.add_argument("--bpe", default="none", choices=BPES)
     p.add_argument("--bpe-codes")
     p.add_argument("--sentencepiece-model")
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
@@ -56,8 +65,9 @@ def check_model_options(args: argparse.Namespace, positive=("batch_size", "max_t
     for path in args.path.split(":"):
         if not os.path.isfile(path) or not is_checkpoint_file(path):
             raise UsageError(f"--path {path}: no such checkpoint")
-    if args.bpe == "sentencepiece" and not args.sentencepiece_model:
-        raise UsageError("--bpe sentencepiece needs --sentencepiece-model")
+    problem = bpe_problem(args.bpe, args.bpe_codes, args.sentencepiece_model)
+    if problem:
+        raise UsageError(problem)
     for name in ("sentencepiece_model", "bpe_codes"):
         path = getattr(args, name)
         if path and not os.path.isfile(path):

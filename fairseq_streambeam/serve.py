@@ -30,7 +30,14 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .frontend import add_generation_options, add_model_options, add_task_options, check_model_options, load_model
+from .frontend import (
+    OneLineParser,
+    add_generation_options,
+    add_model_options,
+    add_task_options,
+    check_model_options,
+    load_model,
+)
 from .spec import DECODINGS, UsageError, from_cli
 
 logger = logging.getLogger("fairseq_streambeam.serve")
@@ -507,8 +514,8 @@ def _rss_bytes() -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked before the model loads: a mistake is one line and exit status 2."""
-    p = argparse.ArgumentParser(prog="streambeam-serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="streambeam-serve", description=__doc__.split("\n\n")[0],
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_options(p)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     s = p.add_argument_group("server")

@@ -16,12 +16,30 @@ def read_lines(path) -> List[str]:
         return [line.rstrip("\n") for line in f]
 
 
+# fairseq's BPEs that these options configure (the others read options of their own)
+BPES = ("none", "fastbpe", "subword_nmt", "sentencepiece", "bytes", "characters")
+
+
+def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str]) -> Optional[str]:
+    """Why `bpe` cannot be built from these options, in one line (None: it can)."""
+    if bpe not in BPES:
+        return f"--bpe {bpe}: not one of {', '.join(BPES)}"
+    if bpe == "sentencepiece" and not sentencepiece_model:
+        return "--bpe sentencepiece needs --sentencepiece-model"
+    if bpe in ("fastbpe", "subword_nmt") and not bpe_codes:
+        return f"--bpe {bpe} needs --bpe-codes"
+    return None
+
+
 def text_pipeline(tokenizer: str, bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str],
                   source_lang: str, target_lang: str) -> Tuple[Any, Any]:
     """fairseq's tokenizer and BPE objects ("none": None), built from the options fairseq-interactive
     reads: Moses tokenizes with `source_lang`'s rules and detokenizes with `target_lang`'s."""
     from fairseq.data import encoders
 
+    problem = bpe_problem(bpe, bpe_codes, sentencepiece_model)
+    if problem:
+        raise ValueError(problem)
     tok = encoders.build_tokenizer(argparse.Namespace(
         tokenizer=None if tokenizer == "none" else tokenizer, source_lang=source_lang, target_lang=target_lang,
         moses_no_dash_splits=False, moses_no_escape=False))

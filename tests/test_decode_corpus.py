@@ -234,6 +234,8 @@ def test_decode_corpus_options_reach_the_generator(tiny_run, tmp_path):
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--input", "missing.txt"], "--input missing.txt: no such file"),
     (["--bpe", "sentencepiece"], "--bpe sentencepiece needs --sentencepiece-model"),
+    (["--bpe", "fastbpe"], "--bpe fastbpe needs --bpe-codes"),
+    (["--bpe", "byte_bpe"], "argument --bpe: invalid choice: 'byte_bpe'"),  # its options are not passed on
 ])
 def test_usage_mistakes_are_one_line_before_anything_is_written(tiny_run, tmp_path, capsys, extra, message):
     """A usage mistake: one line `prog: error: ...`, exit status 2, no traceback, and no output

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from fairseq.data import BaseWrapperDataset, LanguagePairDataset
 
-from ..textio import TextCodec, read_lines
+from ..textio import BPES, TextCodec, read_lines
 
 
 @dataclass
@@ -35,7 +35,7 @@ def add_input_args(g, subset: str) -> None:
     g.add_argument("--src", help="raw source file (instead of a data-bin split); needs --ref")
     g.add_argument("--ref", help="raw (detokenized) reference file")
     g.add_argument("--tokenizer", default="none", help="fairseq tokenizer for --src: none, moses, ...")
-    g.add_argument("--bpe", default="none", help="fairseq BPE for --src: none, fastbpe, sentencepiece, ...")
+    g.add_argument("--bpe", default="none", choices=BPES, help="fairseq BPE for --src")
     g.add_argument("--bpe-codes", help="fastBPE codes (with --bpe fastbpe)")
     g.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
     g.add_argument("--post-process", default="sentencepiece",

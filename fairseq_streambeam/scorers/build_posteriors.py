@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..textio import read_lines, segment, text_pipeline
+from ..textio import BPES, bpe_problem, read_lines, segment, text_pipeline
 from .lmbr import MAX_ORDER, NGram, write_posteriors
 
 H_LINE = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
@@ -123,10 +123,9 @@ def segmenter(tokenizer: str = "none", bpe: str = "none", bpe_codes: Optional[st
     decode_corpus encode text), or None when neither is asked for (text already in units)."""
     if tokenizer == "none" and bpe == "none":
         return None
-    if bpe == "sentencepiece" and not sentencepiece_model:
-        raise EvidenceError("--bpe sentencepiece needs --sentencepiece-model")
-    if bpe in ("fastbpe", "subword_nmt") and not bpe_codes:
-        raise EvidenceError(f"--bpe {bpe} needs --bpe-codes")
+    problem = bpe_problem(bpe, bpe_codes, sentencepiece_model)
+    if problem:
+        raise EvidenceError(problem)
     try:
         tok, enc = text_pipeline(tokenizer, bpe, bpe_codes, sentencepiece_model, lang, lang)
     except (ImportError, OSError, KeyError, RuntimeError) as e:
@@ -231,7 +230,7 @@ def add_evidence_args(p: argparse.ArgumentParser, required: bool = True, segment
     p.add_argument("--max-order", type=int, default=MAX_ORDER)
     if segmentation:
         p.add_argument("--tokenizer", default="none", help="segment raw evidence with fairseq's tokenizer: none, moses")
-        p.add_argument("--bpe", default="none", help="segment raw evidence with fairseq's BPE: sentencepiece, ...")
+        p.add_argument("--bpe", default="none", choices=BPES, help="segment raw evidence with fairseq's BPE")
         p.add_argument("--bpe-codes", help="with --bpe fastbpe / subword_nmt")
         p.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
         p.add_argument("--lang", default="en", help="target language for --tokenizer moses")
