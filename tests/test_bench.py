@@ -31,7 +31,8 @@ def test_every_method_runs_and_reports(tiny_run, tmp_path):
     assert by["greedy"]["bleu"] == by["fairseq-greedy"]["bleu"]
     assert by["var-stream"]["bleu"] == by["var-batch"]["bleu"] == by["fifo"]["bleu"]
     for r in rows:
-        assert r["seconds_mean"] > 0 and r["ratio_to_baseline"] > 0 and r["peak_mb"] > 0
+        assert r["seconds_median"] > 0 and r["ratio_to_baseline"] > 0 and r["peak_mb"] > 0
+        assert r["warmup_seconds"] > 0  # each method's first batch, decoded before the timed repeats
     assert by["var-stream"]["expansions"] == by["var-batch"]["expansions"]
     assert 0 <= by["var-stream"]["padding_share"] < 1
     assert by["fairseq"]["decoder_steps"] is None  # fairseq's generator has no counters
@@ -92,6 +93,15 @@ def test_lookup_drafter_in_the_harness(tiny_run, tmp_path):
         assert by[name]["identical_to_exact_ref"] >= 0.95 and by[name]["accepted_per_pass"] >= 1, name
     with pytest.raises(SystemExit):
         _bench(tiny_run, tmp_path / "x", "--methods", "gad-lookup", "--beam", "1")  # no --draft-lookup
+
+
+def test_limit_takes_sentences_spread_over_the_set():
+    from fairseq_streambeam.bench.data import _every
+
+    for n, limit in ((3004, 2000), (1000, 400), (3004, 300), (7, 7)):
+        keep = _every(n, limit)
+        assert len(keep) == limit == len(set(keep)) and keep[0] == 0 and keep[-1] >= n - n // limit - 1
+    assert _every(100, 5, (50, 100)) == [50, 60, 70, 80, 90]
 
 
 def test_configs_and_sweeps_expand():

@@ -51,7 +51,7 @@ def _every(n: int, limit: int, lines: Optional[Tuple[int, int]] = None) -> List[
     n = end - start
     if not limit or limit >= n:
         return list(range(start, end))
-    return [start + i for i in range(0, n, n // limit)][:limit]
+    return [start + i * n // limit for i in range(limit)]
 
 
 def from_data_bin(task, subset: str, limit: int, post_process: Optional[str],

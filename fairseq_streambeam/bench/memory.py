@@ -17,7 +17,8 @@ def _rss_bytes() -> int:
 
 
 class PeakMemory:
-    """`with PeakMemory(cuda) as m: ...; m.peak_mb` -- CPU: max RSS sampled every `interval` seconds.
+    """`with PeakMemory(cuda) as m: ...; m.peak_mb` -- CPU: max RSS sampled every `interval` seconds,
+    which counts what earlier methods left resident (compare methods' memory in separate runs).
     `cuda` is the run's device, not the machine's."""
 
     def __init__(self, cuda: bool, interval: float = 0.02):
