@@ -1,7 +1,7 @@
 """Calibrate a decoding on a dev set: variable-width pruning (delta, M, finish count) and LMBR weights.
 
 Fixed beam is decoded once; its dev BLEU minus `--tolerance` is the target. The search then looks
-for the cheapest setting that reaches it: for each M (ascending), a bisection over the delta grid
+for a cheap setting that reaches it, with few decodes: for each M (ascending), a bisection over the delta grid
 at the largest finish count, then smaller finish counts, then one-step-narrower neighbours until
 none is cheaper and still on target. Cost is expansions (device-independent) or, with
 `--objective time`, seconds. With evidence (`--nbest`, as build_posteriors), LMBR's alpha, lambda
@@ -51,9 +51,11 @@ class Setting:
         p = "beam" if self.prune is None else "delta {:g} M {} z {}".format(*self.prune)
         return p if self.weights is None else p + ", LMBR alpha {:g} lambda {:g} theta0 {:g}".format(*self.weights)
 
-    def options(self, decoding: str, beam: int) -> List[str]:
-        """fairseq-generate options (the LMBR posteriors file is the user's, built at alpha)."""
-        out = ["--beam", str(beam)]
+    def options(self, a: argparse.Namespace) -> List[str]:
+        """fairseq-generate options that reproduce this setting's decode with calibration options `a`
+        (the LMBR posteriors file is the user's, built at alpha)."""
+        decoding = a.decoding
+        out = ["--beam", str(a.beam), "--lenpen", f"{a.lenpen:g}", "--max-len-b", str(a.max_len_b)]
         if self.prune is not None:
             d, m, z = self.prune
             out = ["--decoding", decoding, *out, "--prune-abs-threshold", f"{d:g}", "--prune-max-cands", str(m),
@@ -61,7 +63,8 @@ class Setting:
         else:
             out = ["--decoding", decoding if not DECODINGS[decoding].variable else "beam", *out]
         if self.weights is not None:
-            out += ["--lmbr-lambda", f"{self.weights[1]:g}", "--lmbr-theta0", f"{self.weights[2]:g}"]
+            out += ["--lmbr-lambda", f"{self.weights[1]:g}", "--lmbr-theta0", f"{self.weights[2]:g}",
+                    "--lmbr-p", f"{a.lmbr_p:g}", "--lmbr-r", f"{a.lmbr_r:g}"]
         return out
 
 
@@ -76,11 +79,12 @@ class Outcome:
 
 def cheapest_pruning(evaluate: Callable[[Prune], Tuple[bool, float]], deltas: Sequence[float], ms: Sequence[int],
                      zs: Sequence[int], start: Optional[Prune] = None) -> Optional[Prune]:
-    """The cheapest (delta, M, z) on the grids whose `evaluate` is (on target, cost). Assumes cost
-    and quality grow with each value, as they do for beams that prune less: `start` first (when on
-    the grids), then per M a bisection over delta (at the largest z), an M abandoned once a miss
-    costs more than the best so far; then smaller z; then one-step-narrower neighbours until
-    nothing cheaper is on target."""
+    """A cheap (delta, M, z) on the grids whose `evaluate` is (on target, cost), found with few
+    decodes, assuming cost and quality grow with each value, as they do for beams that prune less:
+    `start` first (when on the grids), then per M a bisection over delta (at the largest z), an M
+    abandoned once a miss costs more than the best so far; then smaller z; then one-step-narrower
+    neighbours until nothing cheaper is on target. It can miss a cheaper setting that trades a
+    smaller z for a larger delta."""
     deltas, ms, zs = sorted(deltas), sorted(ms), sorted(zs)
     best: List = [None, math.inf]
 
@@ -269,8 +273,10 @@ def check_args(a: argparse.Namespace) -> None:
     if not DECODINGS[a.decoding].variable and not a.nbest:
         raise CalibrationError(f"--decoding {a.decoding} has no pruning to calibrate: give --nbest evidence to tune "
                                "LMBR, or use --decoding var-stream")
-    _span(a.range, "--range")
-    _span(a.test_range, "--test-range")
+    dev, test = _span(a.range, "--range"), _span(a.test_range, "--test-range")
+    if test and (dev is None or (test[0] < dev[1] and dev[0] < test[1])):
+        raise CalibrationError(f"--test-range {a.test_range} overlaps the dev lines (--range {a.range or 'all'}): "
+                               "held-out lines must be apart from them")
 
 
 class Calibrator:
@@ -328,13 +334,15 @@ class Calibrator:
             text = json.dumps([[t.tolist() for t in ts.dataset.src], ts.refs])
             self._lines[id(ts)] = (ts, hashlib.sha1(text.encode()).hexdigest())
         return dict(lines=self._lines[id(ts)][1], files=[(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
-                    beam=a.beam, lenpen=a.lenpen, max_len_b=a.max_len_b, batch=[a.batch_size, a.max_tokens],
+                    decoding=a.decoding, threads=a.threads, beam=a.beam, lenpen=a.lenpen, max_len_b=a.max_len_b,
+                    batch=[a.batch_size, a.max_tokens],
                     lmbr=[a.lmbr_p, a.lmbr_r, a.weights, a.n, a.format], device="cuda" if self.cuda else "cpu")
 
     def _posteriors(self, ts, alpha: float, name: str) -> str:
         from .scorers.lmbr import write_posteriors
 
-        path = self.out / "posteriors" / f"{name}.alpha={alpha:g}.jsonl"
+        # keyed by the fingerprint too: another --range, --limit or evidence file gets its own file
+        path = self.out / "posteriors" / f"{name}.alpha={alpha:g}.{self._key(Setting(), ts)[:12]}.jsonl"
         if not path.exists():
             post = self.evidence.posteriors(alpha)
             write_posteriors(path, {i: post[o] for i, o in enumerate(ts.orig_ids) if o in post})
@@ -401,7 +409,10 @@ def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting
         return o.seconds if a.objective == "time" else o.expansions
 
     base = Setting()
-    target = run(base).bleu - a.tolerance
+    base_bleu = run(base).bleu
+
+    def on_target(o: Outcome) -> bool:  # at BLEU's 2 decimals, so a gap of exactly --tolerance is on target
+        return round(o.bleu - base_bleu, 2) >= -a.tolerance
     variable = DECODINGS[a.decoding].variable
     start = Setting((PAPER_DELTA, min(PAPER_M, a.beam), a.beam)) if variable else Setting()
     weights = None
@@ -411,12 +422,12 @@ def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting
                                tuple(a.lmbr_start) if a.lmbr_start else None, a.rounds)
     if not variable:
         chosen = Setting(weights=weights)
-        return base, chosen if seen[chosen].bleu >= target else None, seen
+        return base, chosen if on_target(seen[chosen]) else None, seen
     run(start)  # the paper's settings, for the table (and the search's first candidate)
 
     def evaluate(p: Prune) -> Tuple[bool, float]:
         o = run(Setting(p, weights))
-        return o.bleu >= target, cost(o)
+        return on_target(o), cost(o)
 
     prune = cheapest_pruning(evaluate, a.deltas, a.max_cands, a.finish_counts, start.prune)
     return base, None if prune is None else Setting(prune, weights), seen
@@ -486,7 +497,7 @@ def write_outputs(cal: Calibrator, base: Setting, chosen: Optional[Setting], see
     }, indent=1, default=str) + "\n")
     plot(out / "pareto.png", rows, front, target, a.objective, cost)
     if chosen is not None:
-        opts = chosen.options(a.decoding, a.beam)
+        opts = chosen.options(a)
         (out / "best.args").write_text(" ".join(opts) + "\n")
         (out / "best.hyp").write_text("".join(x + "\n" for x in cal.hyps(chosen)))
         (out / "best.json").write_text(json.dumps(bench_config(a, chosen, seen[chosen]), indent=1) + "\n")
@@ -500,7 +511,8 @@ def bench_config(a: argparse.Namespace, s: Setting, o: Outcome) -> dict:
     if s.prune:
         v.update(delta=s.prune[0], max_cands=s.prune[1], finish_count=s.prune[2])
     config: dict = {"_comment": f"calibrated on {a.src or a.data + ':' + a.gen_subset} ({a.range or 'all lines'}), "
-                                f"dev BLEU {o.bleu:.2f}", "beam": a.beam, "lenpen": a.lenpen, "baseline": "beam",
+                                f"dev BLEU {o.bleu:.2f}", "beam": a.beam, "lenpen": a.lenpen, "max_len_b": a.max_len_b,
+                    "batch_size": a.batch_size, "max_tokens": a.max_tokens, "baseline": "beam",
                     "exact_ref": "beam", "variants": ["beam", v]}
     if s.weights:
         v["lmbr"] = True

@@ -103,7 +103,7 @@ def _argv(data, ckpt, out, *extra):
 def test_calibrate_on_a_trained_model_resumes_and_round_trips(tiny_run, tmp_path, monkeypatch):
     data, ckpt = tiny_run
     out = tmp_path / "cal"
-    assert cal_mod.main(_argv(data, ckpt, out, "--tolerance", "0.5")) == 0
+    assert cal_mod.main(_argv(data, ckpt, out, "--tolerance", "0.5", "--lenpen", "0.8")) == 0
     res = json.loads((out / "calibrate.json").read_text())
     rows = res["results"]
     beam = next(r for r in rows if r["setting"]["prune"] is None)
@@ -114,12 +114,12 @@ def test_calibrate_on_a_trained_model_resumes_and_round_trips(tiny_run, tmp_path
     assert any(r["pareto"] for r in rows) and (out / "calibrate.md").read_text().count("**chosen**") == 1
     assert res["gap_sd"] >= 0 and "paired-bootstrap sd" in (out / "calibrate.md").read_text()
 
-    # the options line, through fairseq-generate, prints the dev outputs calibrate scored
+    # the options line alone, through fairseq-generate, prints the dev outputs calibrate scored
     args = (out / "best.args").read_text().split()
     assert args[:2] == ["--decoding", "var-stream"] and "--prune-abs-threshold" in args
     r = run_cli([str(BIN / "fairseq-generate"), str(data), "--user-dir", str(REPO / "fairseq_streambeam"), "--task",
                  "streambeam_translation", "--path", str(ckpt), "--gen-subset", "test", "-s", "src", "-t", "tgt",
-                 "--cpu", "--max-len-b", "30", *args])
+                 "--cpu", *args])
     assert r.returncode == 0, r.stderr[-2000:]
     hyps = {int(i): h for i, h in re.findall(r"^H-(\d+)\t\S+\t(.*)$", r.stdout, re.M)}
     assert [hyps[i] for i in range(N_TEST)] == (out / "best.hyp").read_text().splitlines()
@@ -132,12 +132,13 @@ def test_calibrate_on_a_trained_model_resumes_and_round_trips(tiny_run, tmp_path
 
     monkeypatch.setattr("fairseq_streambeam.bench.__main__.run_variant", no_decoding)
     lines = (out / "decodes.jsonl").read_text()
-    assert cal_mod.main(_argv(data, ckpt, out, "--tolerance", "0.5")) == 0
+    assert cal_mod.main(_argv(data, ckpt, out, "--tolerance", "0.5", "--lenpen", "0.8")) == 0
     assert (out / "decodes.jsonl").read_text() == lines
     assert json.loads((out / "calibrate.json").read_text())["chosen"] == res["chosen"]
-    # another length penalty is another decode
-    with pytest.raises(AssertionError, match="decoded although cached"):
-        cal_mod.main(_argv(data, ckpt, out, "--tolerance", "0.5", "--lenpen", "1.5"))
+    # another length penalty, or another decoding, is another decode
+    for other in (("--lenpen", "1.5"), ("--lenpen", "0.8", "--decoding", "var-batch")):
+        with pytest.raises(AssertionError, match="decoded although cached"):
+            cal_mod.main(_argv(data, ckpt, out, "--tolerance", "0.5", *other))
 
 
 def _known_optimum_evidence(data_dir, path) -> None:
@@ -174,7 +175,8 @@ def test_lmbr_stage_finds_the_known_optimum(tiny_run, tmp_path, search):
     assert best["bleu"] > 50 and all(r["bleu"] < best["bleu"] / 2 for r in lmbr if r is not best)
     # each setting once: fixed beam, the LMBR settings, the start pruning without LMBR
     assert len(res["results"]) == 1 + 1 + (2 * 2 * 2 if search == "grid" else 1 + 3 + 2)
-    assert (out / "best.args").read_text().split()[-4:] == ["--lmbr-lambda", "0.01", "--lmbr-theta0", "0"]
+    assert (out / "best.args").read_text().split()[-8:] == ["--lmbr-lambda", "0.01", "--lmbr-theta0", "0",
+                                                            "--lmbr-p", "0.85", "--lmbr-r", "0.72"]
     assert json.loads((out / "best.json").read_text())["_lmbr_alpha"] == 8.0
 
 
@@ -194,6 +196,20 @@ def test_no_setting_on_target_is_one_line_and_no_options_file(tiny_run, tmp_path
     assert (out / "calibrate.md").exists() and not (out / "best.args").exists()
 
 
+def test_a_gap_of_exactly_the_tolerance_is_on_target(tiny_run, tmp_path, monkeypatch):
+    """BLEU is kept to 2 decimals: 9.95 against fixed beam's 10.05 with --tolerance 0.1 is on target
+    (10.05 - 0.1 is 9.950000000000001 in floating point)."""
+    data, ckpt = tiny_run
+    real = cal_mod.Calibrator._run
+
+    def fixed_bleu(self, s, ts, name, key):
+        return dict(real(self, s, ts, name, key), bleu=10.05 if s.prune is None else 9.95)
+
+    monkeypatch.setattr(cal_mod.Calibrator, "_run", fixed_bleu)
+    assert cal_mod.main(_argv(data, ckpt, tmp_path / "cal", "--limit", "20", "--tolerance", "0.1")) == 0
+    assert (tmp_path / "cal" / "best.args").exists()
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--src", "{src}"], "--src needs --ref"),
     (["--decoding", "beam"], "--decoding beam has no pruning to calibrate: give --nbest evidence"),
@@ -202,6 +218,8 @@ def test_no_setting_on_target_is_one_line_and_no_options_file(tiny_run, tmp_path
     (["--range", "5:2"], "--range 5:2: needs 0 <= START < END"),
     (["--range", "0:1000"], "lines 0:1000 run past the end of the test set (61 sentences)"),
     (["--tolerance", "-1"], "--tolerance must be >= 0"),
+    (["--range", "0:40", "--test-range", "30:61"], "--test-range 30:61 overlaps the dev lines (--range 0:40)"),
+    (["--test-range", "30:61"], "--test-range 30:61 overlaps the dev lines (--range all)"),
     (["--deltas", "0", "1"], "--deltas: 0 is out of range"),
     (["--gen-subset", "valid"], "valid"),
 ])
