@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -477,8 +478,11 @@ class Server:
                     raise Refused(400, f'"{name}" must be one of {", ".join(map(repr, ALIGNMENTS))}, got {value!r}')
                 changes[field] = value
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                raise Refused(400, f'"{name}" must be {"an integer" if kind is int else "a number"}, got {value!r}')
+            # JSON's NaN and Infinity parse as floats: refused here, not turned into NaN scores or overflows
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or (kind is int and value != int(value))):
+                raise Refused(400, f'"{name}" must be {"an integer" if kind is int else "a finite number"}, '
+                                   f'got {value!r}')
             changes[field] = kind(value)
         beam = changes.get("beam_size", self.loop.base_spec.beam_size)
         if beam > self.args.max_beam:
