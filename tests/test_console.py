@@ -94,8 +94,9 @@ def test_streambeam_decode_corpus(tmp_path):
 
 
 def test_fairseq_option_mistakes_are_one_line(tmp_path):
-    """fairseq's own checks (data directory, split, checkpoint, --path, a mandatory BPE option)
-    end in a traceback in fairseq-generate; the plugin's command prints one line, status 2."""
+    """fairseq's own checks (data directory, split, checkpoint, --path, a mandatory BPE option), and
+    the plugin's checks of a source, end in a traceback in fairseq-generate; the plugin's command
+    prints one line, status 2."""
     m = shared_path("models", "deen-tiny")
     data, ckpt = str(m / "data-bin"), str(m / "checkpoint_best.pt")
     base = ["-s", "de", "-t", "en", "--cpu", "--batch-size", "1"]
@@ -105,6 +106,9 @@ def test_fairseq_option_mistakes_are_one_line(tmp_path):
         ([data, "--path", ckpt, "--gen-subset", "nosuch"], "Dataset not found: nosuch"),
         ([data], "--path required"),
         ([data, "--path", ckpt, "--bpe", "sentencepiece"], "--sentencepiece-model"),
+        # the plugin's own, found when a source is decoded: a 5-token source's limit below --min-len
+        ([data, "--path", ckpt, "--max-len-a", "2", "--max-len-b", "0", "--min-len", "11"],
+         "--min-len 11 exceeds the maximum length 10"),
     ]
     for args, text in cases:
         r = run_cli([command("streambeam-generate"), *args, *[a for a in base if a not in args]], cwd=tmp_path)

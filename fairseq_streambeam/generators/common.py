@@ -37,14 +37,14 @@ class Sources:
         sentence_ids = ids.tolist() if isinstance(ids, Tensor) else list(range(n_src))
         for sid, n in zip(sentence_ids, lengths):
             if n > gen.max_source_positions:
-                raise ValueError(f"source {sid} has {n} tokens, more than the model's "
+                raise UsageError(f"source {sid} has {n} tokens, more than the model's "
                                  f"{gen.max_source_positions} source positions")
         if gen.match_source_len:
             max_lens = list(lengths)  # fairseq reads net_input's src_lengths, EOS included
         else:
             max_lens = [source_max_len(n, gen.max_len_a, gen.max_len_b, gen.max_len) for n in lengths]
         if max_lens and gen.min_len > min(max_lens):
-            raise ValueError(f"--min-len {gen.min_len} exceeds the maximum length {min(max_lens)} allowed by "
+            raise UsageError(f"--min-len {gen.min_len} exceeds the maximum length {min(max_lens)} allowed by "
                              + ("--match-source-len" if gen.match_source_len else
                                 "--max-len-a/--max-len-b and the model's positions"))
         left_pad = bool(src_tokens[:, 0].eq(pad).any()) if n_src else False
