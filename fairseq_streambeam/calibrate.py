@@ -55,7 +55,7 @@ class Setting:
         """fairseq-generate options that reproduce this setting's decode with calibration options `a`
         (the LMBR posteriors file is the user's, built at alpha)."""
         decoding = a.decoding
-        out = ["--beam", str(a.beam), "--lenpen", f"{a.lenpen:g}", "--max-len-b", str(a.max_len_b)]
+        out = ["--beam", str(a.beam), "--lenpen", repr(a.lenpen), "--max-len-b", str(a.max_len_b)]
         if self.prune is not None:
             d, m, z = self.prune
             out = ["--decoding", decoding, *out, "--prune-abs-threshold", f"{d:g}", "--prune-max-cands", str(m),
@@ -64,7 +64,7 @@ class Setting:
             out = ["--decoding", decoding if not DECODINGS[decoding].variable else "beam", *out]
         if self.weights is not None:
             out += ["--lmbr-lambda", f"{self.weights[1]:g}", "--lmbr-theta0", f"{self.weights[2]:g}",
-                    "--lmbr-p", f"{a.lmbr_p:g}", "--lmbr-r", f"{a.lmbr_r:g}"]
+                    "--lmbr-p", repr(a.lmbr_p), "--lmbr-r", repr(a.lmbr_r)]
         return out
 
 
@@ -195,7 +195,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from .scorers.build_posteriors import add_evidence_args
 
     p = OneLineParser(prog="streambeam-calibrate", description=__doc__.split("\n\n")[0],
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", required=True, help="fairseq data-bin (or a directory with the dictionaries)")
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
@@ -334,8 +334,8 @@ class Calibrator:
             text = json.dumps([[t.tolist() for t in ts.dataset.src], ts.refs])
             self._lines[id(ts)] = (ts, hashlib.sha1(text.encode()).hexdigest())
         return dict(lines=self._lines[id(ts)][1], files=[(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
-                    decoding=a.decoding, threads=a.threads, beam=a.beam, lenpen=a.lenpen, max_len_b=a.max_len_b,
-                    batch=[a.batch_size, a.max_tokens],
+                    decoding=a.decoding, threads=a.threads if a.objective == "time" else None, beam=a.beam,
+                    lenpen=a.lenpen, max_len_b=a.max_len_b, batch=[a.batch_size, a.max_tokens],
                     lmbr=[a.lmbr_p, a.lmbr_r, a.weights, a.n, a.format], device="cuda" if self.cuda else "cpu")
 
     def _posteriors(self, ts, alpha: float, name: str) -> str:

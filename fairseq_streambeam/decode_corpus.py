@@ -53,7 +53,7 @@ def parse_args(argv=None):
     """The command line, checked before anything loads or is written: a usage mistake is one line
     `prog: error: ...` and exit status 2."""
     p = OneLineParser(prog="streambeam-decode-corpus", description=__doc__.split("\n\n")[0],
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="raw text file(s), read as one stream of lines")
     p.add_argument("--output-dir", required=True)
     add_model_options(p)
@@ -113,16 +113,24 @@ _NOT_IN_KEY = ("output_dir", "quiet", "threads", "input", "shard_lines")
 
 
 def run_key(args) -> str:
-    """What every shard's output depends on beside its lines: the options and the checkpoints
-    (path, size, modification time)."""
+    """What every shard's output depends on beside its lines: the options, the checkpoints and the
+    files keyed by line (path, size, modification time)."""
     options = {k: v for k, v in vars(args).items() if k not in _NOT_IN_KEY}
-    checkpoints = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in args.path.split(":")]
+    files = [*args.path.split(":"), *_id_keyed(args)]
+    checkpoints = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files]
     return json.dumps([options, checkpoints], sort_keys=True, default=str)
 
 
-def shard_key(run: str, lines: List[bytes]) -> str:
-    """A shard's key: its input lines under the run's options and checkpoints."""
-    h = hashlib.sha256(run.encode("utf-8"))
+def _id_keyed(args) -> List[str]:
+    """--lmbr-posteriors and --token-masks files: they key sentences by corpus line, so a shard's
+    output also depends on where it starts."""
+    return [f for f in (getattr(args, "lmbr_posteriors", None), getattr(args, "token_masks", None)) if f]
+
+
+def shard_key(run: str, lines: List[bytes], first: Optional[int] = None) -> str:
+    """A shard's key: its input lines under the run's options and checkpoints (and its first line
+    number, given when files keyed by line are)."""
+    h = hashlib.sha256(run.encode("utf-8") + (b"" if first is None else f"@{first}".encode()))
     for line in lines:
         h.update(line + b"\n")
     return h.hexdigest()
@@ -261,7 +269,7 @@ def main(argv=None) -> int:
     rank, world = worker_identity()
     dist = _init_distributed(world)
     run = run_key(args)
-    keys = [shard_key(run, lines[a:b]) for a, b in ranges]
+    keys = [shard_key(run, lines[a:b], a if _id_keyed(args) else None) for a, b in ranges]
     mine = [i for i in range(len(ranges)) if i % world == rank]
     todo = [i for i in mine if not shard_done(shard_dir, i, ranges[i], keys[i])]
     stale = sum(shard_done(shard_dir, i, ranges[i], (_record(shard_dir, i) or {}).get("key")) for i in todo)

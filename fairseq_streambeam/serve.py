@@ -479,7 +479,8 @@ class Server:
                 changes[field] = value
                 continue
             # JSON's NaN and Infinity parse as floats: refused here, not turned into NaN scores or overflows
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or (isinstance(value, float) and not math.isfinite(value))
                     or (kind is int and value != int(value))):
                 raise Refused(400, f'"{name}" must be {"an integer" if kind is int else "a finite number"}, '
                                    f'got {value!r}')
@@ -519,7 +520,7 @@ def _rss_bytes() -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked before the model loads: a mistake is one line and exit status 2."""
     p = OneLineParser(prog="streambeam-serve", description=__doc__.split("\n\n")[0],
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_options(p)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     s = p.add_argument_group("server")

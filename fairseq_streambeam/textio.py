@@ -10,10 +10,11 @@ import torch
 
 
 def read_lines(path) -> List[str]:
-    """A UTF-8 text file's lines, split at newlines only, as fairseq and sacrebleu read
-    them: str.splitlines also splits at \\x85, \\x0c, U+2028 and others, which real corpora contain."""
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
+    """A UTF-8 text file's lines, split at "\\n" only (a "\\r" before it dropped), as sacrebleu and
+    decode_corpus read them: str.splitlines also splits at \\x85, \\x0c, U+2028 and others, which real
+    corpora contain."""
+    with open(path, encoding="utf-8", newline="\n") as f:
+        return [line.rstrip("\n").removesuffix("\r") for line in f]
 
 
 # fairseq's BPEs that these options configure (the others read options of their own)

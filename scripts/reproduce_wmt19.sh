@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce Table 1 of Yang et al. (EMNLP 2020): GREEDY / FIXED / VAR-BATCH / VAR-STREAM on the
-# WMT'19 De-En or Ru-En ensembles (newstest2018), 5 repeats each, mean and std, in one process.
+# WMT'19 De-En or Ru-En ensembles (newstest2018), 5 repeats each, medians, in one process.
 #
 # Online (GPU instance):   scripts/reproduce_wmt19.sh --pair de-en|ru-en [--config configs/paper_k5.json]
 #   fetches transformer.wmt19.PAIR with fairseq's hub code (the URL of fairseq's hub table, or

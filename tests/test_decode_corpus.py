@@ -306,3 +306,7 @@ def test_token_masks_key_corpus_lines_across_shards(tiny_run, tmp_path):
     assert decode_main(args) == 0
     lines = (tmp_path / "out" / "output.txt").read_text(encoding="utf-8").split("\n")[:-1]
     assert [i for i, line in enumerate(lines) if not line] == [3]
+    masks.write_text('{"id": 0, "allow": [2]}\n', encoding="utf-8")  # other masks: the shards are decoded again
+    assert decode_main(args) == 0
+    lines = (tmp_path / "out" / "output.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    assert [i for i, line in enumerate(lines) if not line] == [0]

@@ -143,3 +143,11 @@ def test_scheduler_refill_and_pick():
     assert s.pick(cs) == 1
     assert Scheduler("fifo", Budget(4)).pick(cs) == 0
     assert Scheduler("min-length", Budget(4), max_wait=4).pick(cs) == 2
+
+
+def test_a_huge_max_len_a_is_the_models_limit():
+    """A length limit a * x + b beyond any integer (a served request's "max_len_a": 1e308) is the
+    model's positions - 1, not an overflow."""
+    from fairseq_streambeam.search.penalties import source_max_len
+
+    assert source_max_len(10, 1e308, 0, 1024) == 1023 and source_max_len(10, 1.5, 3, 1024) == 18

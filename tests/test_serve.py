@@ -198,6 +198,7 @@ def test_alignments_equal_offline(server):
     ({"text": "Hallo", "beam": 2.5}, 400, '"beam" must be an integer'),
     ({"text": "Hallo", "beam": float("inf")}, 400, '"beam" must be an integer'),  # JSON's Infinity
     ({"text": "Hallo", "lenpen": float("nan")}, 400, '"lenpen" must be a finite number'),  # JSON's NaN
+    ({"text": "Hallo", "beam": 10 ** 400}, 400, "above the server's limit 4"),
     ({"text": "Hallo", "nbest": 3, "beam": 2}, 400, '"nbest"'),
     ({"text": "Hallo", "alignment": True}, 400, '"alignment" must be one of'),
     ({"text": ["Hallo"] * 13}, 413, "13 sentences in one request; the limit is 12"),

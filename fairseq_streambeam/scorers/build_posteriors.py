@@ -246,7 +246,7 @@ def load_evidence(args, d) -> Tuple[Evidence, str]:
             weights = [float(w) for w in args.weights.split(",")]
         except ValueError:
             raise EvidenceError(f"--weights {args.weights!r}: not comma-separated numbers") from None
-    lang = args.lang if "lang" in args else args.target_lang  # the evidence is target-language text
+    lang = getattr(args, "lang", None) or args.target_lang  # the evidence is target-language text
     seg = segmenter(args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model, lang)
     systems, unknown, total = [], 0, 0
     for path in args.nbest:

@@ -102,4 +102,4 @@ def block_repeated_ngrams(lprobs: Tensor, tokens: Tensor, n: int) -> None:
 def source_max_len(src_len_with_eos: int, max_len_a: float, max_len_b: int, model_max: int) -> int:
     """fairseq's limit min(a*x + b, max_positions - 1), with x this source's own length including
     EOS (fairseq uses the padded batch width, which makes output depend on the batch when a != 0)."""
-    return min(int(max_len_a * src_len_with_eos + max_len_b), model_max - 1)
+    return int(min(max_len_a * src_len_with_eos + max_len_b, model_max - 1))  # no int() of a huge float
