@@ -104,6 +104,29 @@ def test_limit_takes_sentences_spread_over_the_set():
     assert _every(100, 5, (50, 100)) == [50, 60, 70, 80, 90]
 
 
+def test_warm_up_is_one_batch_for_every_method(tiny_run):
+    """The untimed first batch is one batch of sentences also for the streaming methods, whose
+    generator would otherwise decode a whole window of batches."""
+    from tqdm import tqdm
+
+    from fairseq_streambeam.bench import data as bench_data
+    from fairseq_streambeam.bench.__main__ import parse_args as bench_args
+    from fairseq_streambeam.bench.__main__ import resolve, run_variant
+    from fairseq_streambeam.loader import load_models, load_task
+
+    data, ckpt = tiny_run
+    settings, variants = resolve(bench_args(["--data", str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt",
+                                             "--methods", "beam,var-stream", "--batch-size", "6"]))
+    task = load_task(str(data), "src", "tgt")
+    models = load_models(task, str(ckpt))
+    ts = bench_data.from_data_bin(task, "test", 20, "none")
+    for v in variants:
+        hyps, _ = run_variant(task, models, v, settings, ts, tqdm(disable=True), False, first_batch=True)
+        assert len(hyps) == 6, v.name
+        hyps, _ = run_variant(task, models, v, settings, ts, tqdm(disable=True), False)
+        assert len(hyps) == 20, v.name
+
+
 def test_configs_and_sweeps_expand():
     for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep", "iad_bounds", "gad_lookup",
                  "gad_lookup_sweep", "gad_batched"):

@@ -288,7 +288,7 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
 
     from fairseq_streambeam.drafters.oracle import NoDrafter, OracleDrafter
 
-    from .data import CorpusOrder
+    from .data import CorpusOrder, Head
 
     spec = variant_spec(v, settings, lmbr_file)
     if spec.decoding == "fairseq":  # fairseq's own generator; the bench scores each source's best (nbest 1)
@@ -300,9 +300,12 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
     else:
         drafter = OracleDrafter(oracle, v.block_size or 8) if v.decoding == "gad-oracle" else (
             NoDrafter() if v.decoding == "no-draft" else None)
-        gen = task.generator_for(models, spec, drafter=drafter)
+        gen = task.generator_for(models, spec, drafter=drafter, report_at_exit=False)  # the table reports them
     dataset = CorpusOrder(ts.dataset) if settings["corpus_order"] else ts.dataset
-    itr = task.get_batch_iterator(dataset, max_sentences=v.batch_size or settings["batch_size"],
+    batch_size = v.batch_size or settings["batch_size"]
+    if first_batch:
+        dataset = Head(dataset, batch_size or 64)
+    itr = task.get_batch_iterator(dataset, max_sentences=batch_size,
                                   max_tokens=settings["max_tokens"],
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=False)
     counters = getattr(gen, "counters", None)
@@ -316,8 +319,6 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
         for i, sid in enumerate(sample["id"].tolist()):
             hyps[sid] = out[i][0]["tokens"].tolist()
         bar.update(len(out))
-        if first_batch:
-            break
     if use_cuda:
         torch.cuda.synchronize()
     return hyps, counters

@@ -28,6 +28,18 @@ class CorpusOrder(BaseWrapperDataset):
         return np.arange(len(self), dtype=np.int64)
 
 
+class Head(BaseWrapperDataset):
+    """The first `n` sentences in the wrapped dataset's decoding order: a warm-up that is one batch
+    for every method (a streaming decoding would otherwise take a whole window of batches)."""
+
+    def __init__(self, dataset, n: int):
+        super().__init__(dataset)
+        self.n = n
+
+    def ordered_indices(self):
+        return self.dataset.ordered_indices()[: self.n]
+
+
 def add_input_args(g, subset: str) -> None:
     """The options that name a test set, for the bench and calibrate: a data-bin split (default
     `subset`), or raw source and reference files with fairseq's tokenizer and BPE."""
