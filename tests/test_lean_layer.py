@@ -16,15 +16,16 @@ from helpers import (
 
 from fairseq_streambeam import Budget
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+from fairseq_streambeam.generators.stream_beam import StreamBeamGenerator
 from fairseq_streambeam.runtime import block_step
 from fairseq_streambeam.runtime.block_step import BlockDecoder
 from fairseq_streambeam.runtime.kv_cache import KVCache, cat_states, stand_in, without_padding_mask
-from fairseq_streambeam.runtime.lean_layer import Slots, SourceGroups, lean_supported
+from fairseq_streambeam.runtime.lean_layer import Slots, SourceGroups, TransposedLinears, lean_supported
 
 
-def forward_block(decoder, *args, **kwargs):
+def forward_block(decoder, *args, transposed: bool = False, **kwargs):
     """One uncached block decoder call (nothing reused between calls)."""
-    return BlockDecoder(decoder)(*args, **kwargs)
+    return BlockDecoder(decoder, transposed=transposed)(*args, **kwargs)
 
 
 def supports_lean(layer) -> bool:
@@ -34,9 +35,10 @@ def supports_lean(layer) -> bool:
 D = make_dict(30)
 
 
-def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False):
+def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False, transposed: bool = False):
     """Logits of three cached blocks (the last with a bidirectional tail) and the final cache;
-    `packed`: computing only the real slots (logits [T, V], listed with the padding mask)."""
+    `packed`: computing only the real slots (logits [T, V], listed with the padding mask);
+    `transposed`: through transposed weights (which inference mode, no_grad, takes)."""
     monkeypatch.setattr(block_step, "lean_supported", lean_supported if lean else (lambda layer: False))
     dec = model.decoder
     enc = model.encoder.forward_torchscript(sample["net_input"])
@@ -53,7 +55,9 @@ def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False):
         steps = length.unsqueeze(1) + torch.arange(m)
         e = enc if i == 0 else stand_in(model, n, tokens.device)[0]
         slots = Slots.real(pad) if packed else None
-        outs.append((forward_block(dec, tokens, steps, e, state, pad, tail=tail, slots=slots), pad))
+        with torch.set_grad_enabled(not transposed):
+            outs.append((forward_block(dec, tokens, steps, e, state, pad, tail=tail, slots=slots,
+                                       transposed=transposed), pad))
         if i == 0:  # roll back the last two slots of row 1, as a rejected draft
             masked = torch.zeros(n, m, dtype=torch.bool)
             masked[1, m - 2:] = True
@@ -67,13 +71,14 @@ def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False):
     return outs, state
 
 
-@pytest.mark.parametrize("options", [{}, {"decoder_normalize_before": True}])
-def test_lean_blocks_equal_fairseq_layers(options, monkeypatch):
+@pytest.mark.parametrize("options,transposed", [({}, False), ({"decoder_normalize_before": True}, False),
+                                                ({}, True)])
+def test_lean_blocks_equal_fairseq_layers(options, transposed, monkeypatch):
     model = random_transformer(D, 7, **options).double()
     assert all(supports_lean(layer) for layer in model.decoder.layers)
     sample = make_sample(D, random_sentences(D, 4, 8, min_len=3, max_len=9))
     ref, ref_state = _blocks(model, sample, False, monkeypatch)
-    got, got_state = _blocks(model, sample, True, monkeypatch)
+    got, got_state = _blocks(model, sample, True, monkeypatch, transposed=transposed)
     for (a, _), (b, _) in zip(ref, got):
         real = torch.isfinite(a)
         assert torch.equal(real, torch.isfinite(b))
@@ -107,6 +112,22 @@ def test_packed_real_slots_equal_the_padded_block(lean, monkeypatch):
             if a.size(2) == mask.size(1):  # masked slots (padding) are never read: packing leaves them zero
                 a, b = a.masked_fill(mask.bool()[:, None, :, None], 0), b.masked_fill(mask.bool()[:, None, :, None], 0)
             assert torch.allclose(a, b, atol=1e-10), (key, name)
+
+
+def test_transposed_weights_follow_their_modules_and_serve_only_inexact_decodings():
+    """TransposedLinears computes `linear` (float64) and copies a weight again after it changes in
+    place; variable-width beams and drafting use it, fixed beams (fairseq's bits) do not."""
+    lin, layer = TransposedLinears(), torch.nn.Linear(6, 5).double()
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(lin(layer, x), layer(x), atol=1e-12) and lin._copies
+        layer.weight.add_(1.0)
+        assert torch.allclose(lin(layer, x), layer(x), atol=1e-12)
+    model = random_transformer(D, 3).double()
+    for decoding, transposed in (("beam", False), ("fixed-stream", False), ("var-stream", True)):
+        gen = StreamBeamGenerator([model], D, beam_size=3, decoding=decoding)
+        assert isinstance(gen.blocks[0].project, TransposedLinears) == transposed, decoding
+    assert isinstance(AggressiveGenerator([model], D).blocks[0].project, TransposedLinears)
 
 
 def test_unsupported_layers_fall_back_to_fairseq():

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .compiled import CompiledLayerMath
 from .kv_cache import IncState, cached_length
-from .lean_layer import Slots, SourceGroups, lean_layers, lean_supported
+from .lean_layer import LayerMath, Slots, SourceGroups, TransposedLinears, lean_layers, lean_supported, plain_modules
 
 
 def block_decodable(decoder) -> bool:
@@ -62,12 +62,22 @@ class BlockDecoder:
     """A block of tokens per row through one fairseq transformer decoder. It keeps the positional
     embeddings of target positions 0..n-1 (grown by doubling up to max_positions; recomputed after
     a learned table's weight changes), and whether its layers take the lean path (runtime.lean_layer)
-    and, with `compile`, run compiled (runtime.compiled)."""
+    and, with `compile`, run compiled (runtime.compiled). `transposed`: the lean layers and the
+    output projection multiply by transposed copies of the weights on the CPU (TransposedLinears;
+    not with `compile`)."""
 
-    def __init__(self, decoder, compile: bool = False):
+    def __init__(self, decoder, compile: bool = False, transposed: bool = False):
+        from fairseq.models.transformer import TransformerDecoderBase
+
         self.decoder = decoder
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
-        self.layer_math = CompiledLayerMath(decoder.layers) if compile and self.lean else None
+        lin = TransposedLinears() if transposed and not compile and self.lean else None
+        self.layer_math = (CompiledLayerMath(decoder.layers) if compile and self.lean
+                           else LayerMath(decoder.layers, lin) if lin is not None else None)
+        # the output projection through `lin`, where fairseq's output_layer is the plain projection
+        self.project = lin if lin is not None and (
+            type(decoder).output_layer is TransformerDecoderBase.output_layer
+            and decoder.adaptive_softmax is None and plain_modules(decoder.output_projection)) else None
         self._table: Optional[Tensor] = None
         self._version: Optional[tuple] = None
 
@@ -138,6 +148,8 @@ class BlockDecoder:
             x = x[:, m - tail:]
         if decoder.project_out_dim is not None:
             x = decoder.project_out_dim(x)
+        if self.project is not None and not decoder.training:
+            return self.project(decoder.output_projection, x)
         return decoder.output_layer(x)
 
 

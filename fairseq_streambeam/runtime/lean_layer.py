@@ -48,6 +48,29 @@ def linear(module: nn.Linear, x: Tensor) -> Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
+class TransposedLinears:
+    """`linear` with each weight also kept transposed ([in, out], contiguous): on the CPU, MKL
+    multiplies the few rows of a decoder step by a weight in this layout faster than by fairseq's
+    [out, in] (docs/benchmarks.md, "What the engine's parts save"). The products round differently
+    from fairseq's, so fixed beams, which equal fairseq's output bit for bit, keep `linear`. A copy
+    is made again when its weight changes (another tensor, or an in-place update)."""
+
+    def __init__(self):
+        self._copies: Dict[int, tuple] = {}
+
+    def __call__(self, module: nn.Linear, x: Tensor) -> Tensor:
+        w = module.weight
+        if not x.is_cpu or torch.is_grad_enabled():
+            return linear(module, x)
+        copy = self._copies.get(id(module))
+        if copy is None or copy[0] is not w or copy[1] != w._version:
+            copy = self._copies[id(module)] = (w, w._version, w.detach().t().contiguous())
+        wt = copy[2]
+        x2 = x.reshape(-1, x.size(-1))
+        y = torch.mm(x2, wt) if module.bias is None else torch.addmm(module.bias, x2, wt)
+        return y.view(*x.shape[:-1], wt.size(1))
+
+
 def norm(module: nn.LayerNorm, x: Tensor) -> Tensor:
     """`module(x)` for a `plain_modules` LayerNorm, without Module.__call__."""
     return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
@@ -207,8 +230,9 @@ class LayerMath:
     not cached). `attends`: an encoder output was given (fairseq skips cross-attention without one);
     `rows`: as for `lean_layers`."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, lin=linear):
         self.layers = layers
+        self.lin = lin  # `linear`, or a TransposedLinears
 
     def __call__(self, x: Tensor, prev_k: List[Optional[Tensor]], prev_v: List[Optional[Tensor]],
                  key_mask: Optional[Tensor], attn_mask: Optional[Tensor], attends: bool,
@@ -233,7 +257,7 @@ class LayerMath:
                     masks["cross", heads] = _additive(cross_mask, None, heads, x.dtype)
                 cross_add = masks["cross", heads]
             x, k, v, ck, cv = _layer(layer, x, attends, enc, pk, pv, rows, masks["self", layer.self_attn.num_heads],
-                                     ck, cv, cross_add, slots, groups)
+                                     ck, cv, cross_add, slots, groups, self.lin)
             ks.append(k)
             vs.append(v)
             cks.append(ck)
@@ -256,12 +280,12 @@ def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: in
 
 def _layer(layer, x: Tensor, attends: bool, enc: Optional[Tensor], prev_k: Optional[Tensor], prev_v: Optional[Tensor],
            rows: Optional[Tensor], self_add: Optional[Tensor], cross_k: Optional[Tensor], cross_v: Optional[Tensor],
-           cross_add: Optional[Tensor], slots: Optional[Slots], groups: Optional[SourceGroups]):
+           cross_add: Optional[Tensor], slots: Optional[Slots], groups: Optional[SourceGroups], lin=linear):
     pre = layer.normalize_before
     residual = x
     if pre:
         x = norm(layer.self_attn_layer_norm, x)
-    h, k, v = _self_attention(layer.self_attn, x, prev_k, prev_v, rows, self_add, slots)
+    h, k, v = _self_attention(layer.self_attn, x, prev_k, prev_v, rows, self_add, slots, lin)
     x = residual + h
     if not pre:
         x = norm(layer.self_attn_layer_norm, x)
@@ -269,20 +293,21 @@ def _layer(layer, x: Tensor, attends: bool, enc: Optional[Tensor], prev_k: Optio
         residual = x
         if pre:
             x = norm(layer.encoder_attn_layer_norm, x)
-        h, cross_k, cross_v = _cross_attention(layer.encoder_attn, x, enc, cross_k, cross_v, cross_add, slots, groups)
+        h, cross_k, cross_v = _cross_attention(layer.encoder_attn, x, enc, cross_k, cross_v, cross_add, slots, groups,
+                                               lin)
         x = residual + h
         if not pre:
             x = norm(layer.encoder_attn_layer_norm, x)
-    return feed_forward(layer, x), k, v, cross_k, cross_v
+    return feed_forward(layer, x, lin), k, v, cross_k, cross_v
 
 
-def feed_forward(layer, x: Tensor) -> Tensor:
+def feed_forward(layer, x: Tensor, lin=linear) -> Tensor:
     """The feed-forward sublayer of a fairseq encoder or decoder layer, with its residual and its
     layer norm before or after (`normalize_before`), in fairseq's order of operations."""
     residual = x
     if layer.normalize_before:
         x = norm(layer.final_layer_norm, x)
-    x = residual + linear(layer.fc2, layer.activation_fn(linear(layer.fc1, x)))
+    x = residual + lin(layer.fc2, layer.activation_fn(lin(layer.fc1, x)))
     if not layer.normalize_before:
         x = norm(layer.final_layer_norm, x)
     return x
@@ -306,18 +331,18 @@ def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 
 def _self_attention(mha: MultiheadAttention, x: Tensor, prev_k: Optional[Tensor], prev_v: Optional[Tensor],
-                    rows: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots]):
+                    rows: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots], lin=linear):
     """Attention output, and the keys and values with the block appended to `prev_k`/`prev_v`
     (rows `rows` of them, when given)."""
     h, d = mha.num_heads, mha.head_dim
-    q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
+    q = _block(lin(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
-    k = _block(linear(mha.k_proj, x), slots).view(n, m, h, d).transpose(1, 2)
-    v = _block(linear(mha.v_proj, x), slots).view(n, m, h, d).transpose(1, 2)
+    k = _block(lin(mha.k_proj, x), slots).view(n, m, h, d).transpose(1, 2)
+    v = _block(lin(mha.v_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     if prev_k is not None:
         k = _append(prev_k, k, rows)
         v = _append(prev_v, v, rows)  # type: ignore[arg-type]
-    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v
+    return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v
 
 
 def _append(prev: Tensor, new: Tensor, rows: Optional[Tensor]) -> Tensor:
@@ -341,18 +366,18 @@ def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Optional[Tensor], k: Optional[Tensor],
                      v: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
-                     groups: Optional[SourceGroups]):
+                     groups: Optional[SourceGroups], lin=linear):
     """Attention over the cached encoder keys `k`/`v`, else over keys computed from `enc`; with
     `groups`, keys cached per source. Returns the output and the keys and values."""
-    q = _block(linear(mha.q_proj, x) * mha.scaling, slots)
+    q = _block(lin(mha.q_proj, x) * mha.scaling, slots)
     n, m, _ = q.shape
     h, d = mha.num_heads, mha.head_dim
     if groups is not None:
         out = _attend(groups.spread(q), k, v, add, groups.n_sources, groups.width * m)  # type: ignore[arg-type]
-        return linear(mha.out_proj, groups.collect(out, m)), k, v
+        return lin(mha.out_proj, groups.collect(out, m)), k, v
     if k is None:
         assert enc is not None
         s = enc.size(0)
-        k = linear(mha.k_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()  # [S, N, C] -> [N, H, S, d]
-        v = linear(mha.v_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
-    return linear(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v  # type: ignore[arg-type]
+        k = lin(mha.k_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()  # [S, N, C] -> [N, H, S, d]
+        v = lin(mha.v_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
+    return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v  # type: ignore[arg-type]
