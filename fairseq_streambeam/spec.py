@@ -254,6 +254,8 @@ GENERATION = {"beam": "beam_size", "nbest": "nbest", "max_len_a": "max_len_a", "
 # fairseq generation options no plugin decoding implements (--decoding fairseq has them): name,
 # test of the value, flag. --score-reference scores the reference instead of decoding, and
 # --sampling-topk/-topp mean sampling.
+# build_generator's extra_gen_cls_kwargs the plugin's generators take (lm_model: shallow fusion's LM)
+EXTRA_ARGUMENTS = ("lm_model", "lm_weight", "eos", "tokens_to_suppress", "symbols_to_strip_from_output")
 REFUSED = [
     ("score_reference", bool, "--score-reference"),
     ("sampling", bool, "--sampling"),
@@ -269,8 +271,10 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
     """The spec of a task config (or argparse namespace) `cfg` and fairseq's generation options `gen`
     (None before they are known: then the widest beam the plugin's options allow, so that only the
     generation options' own checks wait for them). `extra` (fairseq's extra_gen_cls_kwargs: lm_model,
-    lm_weight) and `prefix_fn` are build_generator's other arguments."""
+    lm_weight, eos, tokens_to_suppress, symbols_to_strip_from_output) and `prefix_fn` are build_generator's
+    other arguments; fairseq also reads `prefix_allowed_tokens_fn` from `gen`."""
     extra = extra or {}
+    prefix_fn = prefix_fn if prefix_fn is not None else getattr(gen, "prefix_allowed_tokens_fn", None)
     plugin = {n: _value(getattr(cfg, n, _DEFAULTS[n])) for n in PLUGIN_OPTIONS}
     decoding = plugin["decoding"]
     if gen is None or not hasattr(gen, "beam"):  # e.g. fairseq-train with the task: no generation options
@@ -278,11 +282,15 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
     else:
         fields = {f: _value(getattr(gen, g)) for g, f in GENERATION.items() if getattr(gen, g, None) is not None}
         fields["normalize_scores"] = not getattr(gen, "unnormalized", False)
-        if "lm_weight" in extra:
-            fields["lm_weight"] = extra["lm_weight"]
+        fields.update({k: v for k, v in extra.items() if k in ("lm_weight", "eos")})
+        if extra.get("tokens_to_suppress"):
+            fields["tokens_to_suppress"] = tuple(extra["tokens_to_suppress"])
+        if extra.get("symbols_to_strip_from_output") is not None:
+            fields["symbols_to_strip_from_output"] = frozenset(extra["symbols_to_strip_from_output"])
         if decoding == "fairseq":  # fairseq's generator checks its own options
             return DecodeSpec(**plugin)
         refused = [f for name, is_set, f in REFUSED if is_set(getattr(gen, name, None))]
+        refused += sorted(set(extra) - set(EXTRA_ARGUMENTS))
         refused += ["prefix_allowed_tokens_fn"] if prefix_fn is not None else []
         if DECODINGS.get(decoding, DECODINGS["beam"]).family == "draft" and (
                 getattr(gen, "lm_path", None) or extra.get("lm_model") is not None):

@@ -30,7 +30,7 @@ from .runtime.counters import Counters
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
 from .scorers.masks import TokenMaskScorer, load_masks
-from .spec import DecodeSpec, check_files, from_cli
+from .spec import DecodeSpec, UsageError, check_files, from_cli
 
 logger = logging.getLogger("fairseq_streambeam")
 
@@ -65,10 +65,10 @@ class StreamBeamTranslationTask(TranslationTask):
             w = self.spec.stream_window
             max_tokens = None if max_tokens is None else max_tokens * w
             max_sentences = None if max_sentences is None else max_sentences * w
-        itr = super().get_batch_iterator(
+        _quiet_pin_memory_warning()
+        return super().get_batch_iterator(
             dataset, max_tokens=max_tokens, max_sentences=max_sentences, max_positions=max_positions,
             ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=1, **kwargs)
-        return _without_pin_memory_warning(itr)
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
         """The generator of the task's options and fairseq's generation options `args`."""
@@ -81,6 +81,8 @@ class StreamBeamTranslationTask(TranslationTask):
             gen.counters = Counters()  # fairseq's generator counts nothing: inference_step counts for it
             _report_at_exit(gen, "fairseq")
             return gen
+        if seq_gen_cls is not None:
+            raise UsageError(f"--decoding {spec.decoding} builds its own generator (seq_gen_cls: --decoding fairseq)")
         return self.generator_for(models, spec, lm_model=lm_model)
 
     def generator_for(self, models, spec: DecodeSpec, drafter=None, lm_model=None, report_at_exit: bool = True):
@@ -158,21 +160,13 @@ class StreamBeamTranslationTask(TranslationTask):
         return out
 
 
-def _without_pin_memory_warning(itr):
+def _quiet_pin_memory_warning() -> None:
     """fairseq's EpochBatchIterator builds its DataLoader with `pin_memory=True` whatever the device,
-    and torch warns at every epoch where no accelerator exists. On such machines, `itr`'s epochs
-    are started with that one warning filtered out (nothing is pinned either way)."""
-    if torch.accelerator.is_available() or not hasattr(itr, "next_epoch_itr"):
-        return itr
-    start = itr.next_epoch_itr
-
-    def next_epoch_itr(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true", category=UserWarning)
-            return start(*args, **kwargs)
-
-    itr.next_epoch_itr = next_epoch_itr
-    return itr
+    and torch warns at every epoch where no accelerator exists. fairseq-generate starts the loader
+    in a background thread (BufferedIterator), out of reach of a `catch_warnings` block, so on such
+    machines this one warning is filtered for the process (nothing is pinned either way)."""
+    if not torch.accelerator.is_available():
+        warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true", category=UserWarning)
 
 
 def _report_at_exit(gen, name: str) -> None:

@@ -246,6 +246,35 @@ def test_lm_fusion_through_the_task_and_var_stream():
     assert_same_hypos(out["var-batch"], out["var-stream"])
 
 
+def test_build_generator_arguments_are_taken_or_refused():
+    """build_generator's other arguments, as fairseq's task reads them: tokens_to_suppress (extra
+    kwargs) is applied as fairseq applies it; a prefix function (also as a generation option), an
+    unknown extra kwarg and a generator class are refused, never ignored."""
+    import argparse
+
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.spec import UsageError
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    d = make_dict(40)
+    m = random_transformer(d, 14).double()
+    s = make_sample(d, random_sentences(d, 6, 16))
+    gen_args = argparse.Namespace(beam=4, nbest=1, max_len_b=12)
+    suppress = {"tokens_to_suppress": (d[8], d[9])}
+    task = StreamBeamTranslationTask(StreamBeamConfig(decoding="beam", train_subset="train"), d, d)
+    fairseq_task = TranslationTask(TranslationConfig(), d, d)
+    ref = fairseq_task.build_generator([m], gen_args, extra_gen_cls_kwargs=suppress).generate([m], s)
+    assert_same_hypos(ref, task.build_generator([m], gen_args, extra_gen_cls_kwargs=suppress).generate([m], s))
+    fn_args = argparse.Namespace(beam=4, nbest=1, max_len_b=12, prefix_allowed_tokens_fn=lambda b, t: [2])
+    for args, kwargs, refused in ((fn_args, {}, "prefix_allowed_tokens_fn"),
+                                  (gen_args, {"extra_gen_cls_kwargs": {"nope": 1}}, "nope"),
+                                  (gen_args, {"seq_gen_cls": SequenceGenerator}, "seq_gen_cls")):
+        with pytest.raises(UsageError, match=refused):
+            task.build_generator([m], args, **kwargs)
+
+
 def match_source_len_generator(models, d, **kw) -> SequenceGenerator:
     """fairseq's generator for --match-source-len as its task builds it (fairseq-generate, the hub)."""
     from fairseq.search import LengthConstrainedBeamSearch
