@@ -39,6 +39,7 @@ from .frontend import (
     check_model_options,
     load_model,
 )
+from .runtime.counters import Counters
 from .spec import DECODINGS, UsageError, from_cli
 
 logger = logging.getLogger("fairseq_streambeam.serve")
@@ -92,7 +93,7 @@ class Metrics:
 
     def text(self, loop: DecodeLoop) -> str:
         c = loop.counters()
-        steps, secs = c["decoder_steps"], max(time.monotonic() - self.started, 1e-9)
+        steps, secs = c.decoder_steps, max(time.monotonic() - self.started, 1e-9)
         lines = [
             "# TYPE streambeam_queue_sentences gauge", f"streambeam_queue_sentences {loop.waiting}",
             "# TYPE streambeam_inflight_sentences gauge", f"streambeam_inflight_sentences {loop.inflight}",
@@ -102,7 +103,7 @@ class Metrics:
             "# TYPE streambeam_decoder_steps_total counter", f"streambeam_decoder_steps_total {steps}",
             "# TYPE streambeam_steps_per_second gauge", f"streambeam_steps_per_second {steps / secs:.3f}",
             "# TYPE streambeam_expansions_per_step gauge",
-            f"streambeam_expansions_per_step {c['expansions'] / steps if steps else 0.0:.3f}",
+            f"streambeam_expansions_per_step {c.expansions_per_step:.3f}",
             "# TYPE streambeam_sentences_total counter", f"streambeam_sentences_total {self.sentences}",
             "# TYPE streambeam_requests_total counter", f"streambeam_requests_total {self.requests}",
             "# TYPE streambeam_dropped_sentences_total counter", f"streambeam_dropped_sentences_total {loop.dropped}",
@@ -136,7 +137,7 @@ class DecodeLoop:
         self.dropped = 0  # sentences whose client went away before they entered decoding
         self._lock = threading.Lock()  # inflight changes in both threads
         self.stopping = False
-        self._retired: Dict[str, float] = {}  # counters of lanes that were closed
+        self._retired = Counters()  # counters of lanes that were closed
         self.thread = threading.Thread(target=self._run, name="streambeam-decode", daemon=True)
 
     # ---- called from the event loop ---------------------------------------------------------------
@@ -167,15 +168,12 @@ class DecodeLoop:
     def live_rows(self) -> int:
         return sum(d.live_candidates for d in list(self.lanes.values()))
 
-    def counters(self) -> Dict[str, float]:
-        out = dict(self._retired)
+    def counters(self) -> Counters:
+        """The counts of every lane, open or closed."""
+        total = Counters().add(self._retired)
         for d in list(self.lanes.values()):
-            for k, v in d.gen.counters.as_dict().items():
-                if isinstance(v, (int, float)):
-                    out[k] = out.get(k, 0) + v
-        out.setdefault("decoder_steps", 0)
-        out.setdefault("expansions", 0)
-        return out
+            total.add(d.gen.counters)
+        return total
 
     def lane_for(self, spec) -> Optional[Any]:
         """The lane of `spec`, opened if there is room (None: too many option sets in flight);
@@ -303,7 +301,7 @@ class DecodeLoop:
     def _deliver(self, spec, done: Dict[int, list]) -> None:
         for row, hypos in done.items():
             job, i = self.owner.pop((spec, row))
-            job.results[i] = [{"tokens": h["tokens"].tolist(), "score": float(h["score"]),
+            job.results[i] = [{"tokens": h["tokens"].tolist(), "score": _json_number(float(h["score"])),
                                "alignment": _listed(h["alignment"]) if spec.print_alignment else None}
                               for h in hypos[:spec.nbest]]
             job.remaining -= 1
@@ -348,9 +346,12 @@ class DecodeLoop:
 
     def _close_idle_lanes(self) -> None:
         for spec in [s for s, d in self.lanes.items() if not d.busy and s != self.base_spec]:
-            for k, v in self.lanes.pop(spec).gen.counters.as_dict().items():
-                if isinstance(v, (int, float)):
-                    self._retired[k] = self._retired.get(k, 0) + v
+            self._retired.add(self.lanes.pop(spec).gen.counters)
+
+
+def _json_number(x: float) -> Optional[float]:
+    """`x`, or None (JSON null) for an infinite or NaN score, which JSON cannot write."""
+    return x if math.isfinite(x) else None
 
 
 class Server:
@@ -581,7 +582,7 @@ async def serve(args: argparse.Namespace, model, ready=None) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     port = runner.addresses[0][1]
-    print(f"streambeam-serve: {spec.decoding} beam {spec.beam_size} on http://{args.host}:{port} "
+    print(f"streambeam-serve: --decoding {spec.decoding} --beam {spec.beam_size} on http://{args.host}:{port} "
           f"({'cuda' if model.cuda else 'cpu'}, {args.batching} batching, budget {args.batch_size} sentences)",
           flush=True)
     if ready is not None:
@@ -599,7 +600,7 @@ async def serve(args: argparse.Namespace, model, ready=None) -> None:
     loop.stop()
     await aio.run_in_executor(None, loop.thread.join)
     print(f"streambeam-serve: stopped after {server.metrics.requests} requests, {server.metrics.sentences} "
-          f"sentences; {spec.decoding}: {loop.lanes[spec].gen.counters.summary()}", flush=True)
+          f"sentences; all lanes: {loop.counters().summary()}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -71,6 +71,9 @@ def server():
                "--max-lanes", "2", "--max-request-bytes", "4096", "--max-tokens-per-sentence", "100")
     yield s
     assert s.stop() == 0
+    # the last line counts the sentences of every lane (the requests with options of their own too)
+    m = re.search(r"stopped after \d+ requests, (\d+) sentences; all lanes: (\d+) sentences", "".join(s.out))
+    assert m and int(m.group(2)) >= int(m.group(1)), s.out[-3:]
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +150,18 @@ def test_request_options_and_lists(server, offline):
                for t in p1["translations"])
     assert any(len(t["hypotheses"]) == 2 for t in p1["translations"])
     assert [t["text"] for t in p2["translations"]] == offline[0][5:8]
+
+
+def test_scores_that_are_not_finite_are_null(server):
+    """An extreme lenpen overflows the score: the answer is still JSON (null, not -Infinity)."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await _post(s, server.url, {"text": "Hallo", "lenpen": -100.0})
+
+    status, body = _run(go())
+    assert status == 200
+    t = body["translations"][0]
+    assert t["text"] and t["score"] is None and all(h["score"] is None for h in t["hypotheses"])
 
 
 def test_alignments_equal_offline(server):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import List, Optional, Tuple
 
 
@@ -58,6 +58,13 @@ class Counters:
     def accepted_per_pass(self) -> float:
         """Tokens one row gains per verification pass (the paper's tokens per iteration)."""
         return self.accepted_tokens / self.verified_rows if self.verified_rows else 0.0
+
+    def add(self, other: Counters) -> Counters:
+        """`other`'s counts added to these (e.g. the server's lanes); returns self."""
+        for f in fields(self):
+            if f.init:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
 
     def as_dict(self) -> dict:
         """Every count under one flat name (the JSON of bench, decode_corpus and the server)."""
