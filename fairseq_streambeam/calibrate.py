@@ -249,6 +249,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def check_args(a: argparse.Namespace) -> None:
     """Mistakes found before any model loads."""
     from .spec import is_checkpoint_file
+    from .textio import bpe_problem
 
     if a.beam < 1:
         raise CalibrationError(f"--beam must be >= 1, got {a.beam}")
@@ -263,6 +264,8 @@ def check_args(a: argparse.Namespace) -> None:
     if not os.path.isdir(a.data):
         raise CalibrationError(f"--data {a.data}: no such directory")
     for ckpt in a.path.split(":"):
+        if not os.path.isfile(ckpt):
+            raise CalibrationError(f"--path {ckpt}: {'not a regular file' if os.path.exists(ckpt) else 'no such file'}")
         if not is_checkpoint_file(ckpt):
             raise CalibrationError(f"--path {ckpt}: not a fairseq checkpoint")
     if a.src and not a.ref:
@@ -270,6 +273,9 @@ def check_args(a: argparse.Namespace) -> None:
     for f in filter(None, (a.src, a.ref)):
         if not os.path.isfile(f):
             raise CalibrationError(f"{f}: no such file")
+    problem = bpe_problem(a.bpe, a.bpe_codes, a.sentencepiece_model) if a.src else None
+    if problem:
+        raise CalibrationError(problem)
     if not DECODINGS[a.decoding].variable and not a.nbest:
         raise CalibrationError(f"--decoding {a.decoding} has no pruning to calibrate: give --nbest evidence to tune "
                                "LMBR, or use --decoding var-stream")

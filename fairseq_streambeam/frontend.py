@@ -9,11 +9,10 @@ import dataclasses
 import enum
 import os
 import typing
-from typing import List
 
 from .options import plugin_fields
 from .spec import DECODINGS, UsageError, check_files, from_cli, is_checkpoint_file
-from .textio import BPES, bpe_problem
+from .textio import BPES, bpe_problem, tokenizers
 
 # the front ends' default and choices for the task's --decoding: streaming by default, and not
 # `fairseq` (fairseq's stock generator keeps no counters and has no online loop)
@@ -41,7 +40,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
     p.add_argument("-t", "--target-lang", required=True)
-    p.add_argument("--tokenizer", default="none", choices=["none", *_registered("tokenizer")])
+    p.add_argument("--tokenizer", default="none", choices=tokenizers())
     p.add_argument("--bpe", default="none", choices=BPES)
     p.add_argument("--bpe-codes")
     p.add_argument("--sentencepiece-model")
@@ -95,14 +94,6 @@ def load_model(args: argparse.Namespace, cuda: bool) -> LoadedModel:
                      **{f.name: getattr(args, f.name) for f in plugin_fields()})
     codec = TextCodec(task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
     return LoadedModel(task, codec, load_models(task, args.path, cuda, args.fp16 and cuda), cuda)
-
-
-def _registered(kind: str) -> List[str]:
-    """fairseq's registered tokenizers or BPEs."""
-    import fairseq.data.encoders  # noqa: F401  (registers them)
-    from fairseq import registry
-
-    return sorted(registry.REGISTRIES[kind]["registry"])
 
 
 def add_generation_options(p) -> None:

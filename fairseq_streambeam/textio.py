@@ -4,6 +4,7 @@ does): moses + fastBPE for the WMT'19 models, sentencepiece for deen-tiny, none 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -29,7 +30,19 @@ def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optiona
         return "--bpe sentencepiece needs --sentencepiece-model"
     if bpe in ("fastbpe", "subword_nmt") and not bpe_codes:
         return f"--bpe {bpe} needs --bpe-codes"
+    path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes if bpe in ("fastbpe", "subword_nmt") else None
+    if path and not os.path.isfile(path):
+        flag = "--sentencepiece-model" if bpe == "sentencepiece" else "--bpe-codes"
+        return f"{flag} {path}: {'not a regular file' if os.path.exists(path) else 'no such file'}"
     return None
+
+
+def tokenizers() -> List[str]:
+    """The --tokenizer choices: none and fairseq's registered tokenizers."""
+    import fairseq.data.encoders  # noqa: F401  (registers them)
+    from fairseq import registry
+
+    return ["none", *sorted(registry.REGISTRIES["tokenizer"]["registry"])]
 
 
 def text_pipeline(tokenizer: str, bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str],

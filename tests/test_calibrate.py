@@ -222,6 +222,9 @@ def test_a_gap_of_exactly_the_tolerance_is_on_target(tiny_run, tmp_path, monkeyp
     (["--test-range", "30:61"], "--test-range 30:61 overlaps the dev lines (--range all)"),
     (["--deltas", "0", "1"], "--deltas: 0 is out of range"),
     (["--gen-subset", "valid"], "valid"),
+    (["--path", "{tmp}"], "not a regular file"),
+    (["--src", "{src}", "--ref", "{src}", "--bpe", "sentencepiece", "--sentencepiece-model", "{tmp}/no.model"],
+     "--sentencepiece-model"),
 ])
 def test_bad_input_is_one_line_with_status_2(tiny_run, tmp_path, extra, message):
     data, ckpt = tiny_run

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from fairseq.data import BaseWrapperDataset, LanguagePairDataset
 
-from ..textio import BPES, TextCodec, read_lines
+from ..textio import BPES, TextCodec, read_lines, tokenizers
 
 
 @dataclass
@@ -46,7 +46,7 @@ def add_input_args(g, subset: str) -> None:
     g.add_argument("--gen-subset", default=subset, help="data-bin split (when --src is not given)")
     g.add_argument("--src", help="raw source file (instead of a data-bin split); needs --ref")
     g.add_argument("--ref", help="raw (detokenized) reference file")
-    g.add_argument("--tokenizer", default="none", help="fairseq tokenizer for --src: none, moses, ...")
+    g.add_argument("--tokenizer", default="none", choices=tokenizers(), help="fairseq tokenizer for --src")
     g.add_argument("--bpe", default="none", choices=BPES, help="fairseq BPE for --src")
     g.add_argument("--bpe-codes", help="fastBPE codes (with --bpe fastbpe)")
     g.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")

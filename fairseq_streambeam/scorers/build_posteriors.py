@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..textio import BPES, bpe_problem, read_lines, segment, text_pipeline
+from ..textio import BPES, bpe_problem, read_lines, segment, text_pipeline, tokenizers
 from .lmbr import MAX_ORDER, NGram, write_posteriors
 
 H_LINE = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
@@ -229,7 +229,8 @@ def add_evidence_args(p: argparse.ArgumentParser, required: bool = True, segment
     p.add_argument("--weights", help="comma-separated system weights (default: equal)")
     p.add_argument("--max-order", type=int, default=MAX_ORDER)
     if segmentation:
-        p.add_argument("--tokenizer", default="none", help="segment raw evidence with fairseq's tokenizer: none, moses")
+        p.add_argument("--tokenizer", default="none", choices=tokenizers(),
+                       help="segment raw evidence with fairseq's tokenizer")
         p.add_argument("--bpe", default="none", choices=BPES, help="segment raw evidence with fairseq's BPE")
         p.add_argument("--bpe-codes", help="with --bpe fastbpe / subword_nmt")
         p.add_argument("--sentencepiece-model", help="with --bpe sentencepiece")
