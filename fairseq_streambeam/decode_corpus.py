@@ -47,6 +47,8 @@ def check_args(args) -> None:
     for path in args.input:
         if not os.path.isfile(path):
             raise UsageError(f"--input {path}: no such file")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise UsageError(f"--output-dir {args.output_dir}: not a directory")
 
 
 def parse_args(argv=None):
@@ -259,6 +261,15 @@ class ShardDecoder:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return decode(args)
+    except UsageError as e:  # found while decoding, e.g. --min-len above a line's length limit
+        print(f"streambeam-decode-corpus: error: {e}", file=sys.stderr)
+        return 2
+
+
+def decode(args) -> int:
+    """Decode this worker's shards that are not done, then merge when every shard is."""
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     out_dir = Path(args.output_dir)
     shard_dir = out_dir / "shards"
