@@ -24,8 +24,11 @@ from fairseq_streambeam.runtime.lean_layer import Slots, SourceGroups, Transpose
 
 
 def forward_block(decoder, *args, transposed: bool = False, **kwargs):
-    """One uncached block decoder call (nothing reused between calls)."""
-    return BlockDecoder(decoder, transposed=transposed)(*args, **kwargs)
+    """One uncached block decoder call (nothing reused between calls); `transposed`: as in a
+    generate call over many sources."""
+    block = BlockDecoder(decoder, transposed=transposed)
+    block.start_call(TransposedLinears.MIN_SOURCES)
+    return block(*args, **kwargs)
 
 
 def supports_lean(layer) -> bool:
@@ -114,20 +117,32 @@ def test_packed_real_slots_equal_the_padded_block(lean, monkeypatch):
             assert torch.allclose(a, b, atol=1e-10), (key, name)
 
 
-def test_transposed_weights_follow_their_modules_and_serve_only_inexact_decodings():
-    """TransposedLinears computes `linear` (float64) and copies a weight again after it changes in
-    place; variable-width beams and drafting use it, fixed beams (fairseq's bits) do not."""
+def test_transposed_weights_are_copied_per_call_and_serve_only_inexact_decodings():
+    """TransposedLinears computes `linear` (float64); its copies are made again in each generate call
+    (a write to `.data` or a dtype change between calls is seen), only in calls over many sources;
+    variable-width beams and aggressive decoding use it, fixed beams (fairseq's bits) do not."""
     lin, layer = TransposedLinears(), torch.nn.Linear(6, 5).double()
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     with torch.no_grad():
+        lin.refresh(TransposedLinears.MIN_SOURCES)
         assert torch.allclose(lin(layer, x), layer(x), atol=1e-12) and lin._copies
-        layer.weight.add_(1.0)
+        layer.weight.data.add_(1.0)  # as fairseq's optimizers write
+        lin.refresh(TransposedLinears.MIN_SOURCES)
         assert torch.allclose(lin(layer, x), layer(x), atol=1e-12)
+        layer.float()
+        lin.refresh(TransposedLinears.MIN_SOURCES)
+        assert torch.allclose(lin(layer, x.float()), layer(x.float()), atol=1e-5)
+        lin.refresh(1)
+        lin(layer, x.float())
+        assert not lin._copies
     model = random_transformer(D, 3).double()
     for decoding, transposed in (("beam", False), ("fixed-stream", False), ("var-stream", True)):
         gen = StreamBeamGenerator([model], D, beam_size=3, decoding=decoding)
         assert isinstance(gen.blocks[0].project, TransposedLinears) == transposed, decoding
-    assert isinstance(AggressiveGenerator([model], D).blocks[0].project, TransposedLinears)
+    gen = AggressiveGenerator([model], D)
+    for n, copied in ((2, False), (TransposedLinears.MIN_SOURCES, True)):
+        gen.generate([model], make_sample(D, random_sentences(D, n, 5, min_len=2, max_len=6)))
+        assert bool(gen.blocks[0].transposed._copies) == copied, n
 
 
 def test_unsupported_layers_fall_back_to_fairseq():

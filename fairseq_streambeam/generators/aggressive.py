@@ -134,6 +134,8 @@ class AggressiveGenerator(SequenceGenerator):
             raise NotImplementedError("aggressive decoding does not support lexical constraints")
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self)
+        for block in self.blocks:
+            block.start_call(len(srcs))
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(len(srcs))]
         self.driver.run(self.engine(srcs, results, prefix_tokens, bos_token), srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)

@@ -238,6 +238,8 @@ class StreamBeamGenerator(SequenceGenerator):
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self)
         n_src, lengths = len(srcs), srcs.lengths
+        for block in self.blocks:
+            block.start_call(n_src)
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]
         engine = self.engine(srcs, results, prefix_tokens, bos_token)
         # streaming admits sources by length (shortest first: cohorts pad little; longest first: long

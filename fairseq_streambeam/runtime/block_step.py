@@ -63,8 +63,8 @@ class BlockDecoder:
     embeddings of target positions 0..n-1 (grown by doubling up to max_positions; recomputed after
     a learned table's weight changes), and whether its layers take the lean path (runtime.lean_layer)
     and, with `compile`, run compiled (runtime.compiled). `transposed`: the lean layers and the
-    output projection multiply by transposed copies of the weights on the CPU (TransposedLinears;
-    not with `compile`)."""
+    output projection multiply by transposed copies of the weights on the CPU in generate calls
+    over many sources (TransposedLinears; not with `compile`)."""
 
     def __init__(self, decoder, compile: bool = False, transposed: bool = False):
         from fairseq.models.transformer import TransformerDecoderBase
@@ -72,6 +72,7 @@ class BlockDecoder:
         self.decoder = decoder
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
         lin = TransposedLinears() if transposed and not compile and self.lean else None
+        self.transposed = lin
         self.layer_math = (CompiledLayerMath(decoder.layers) if compile and self.lean
                            else LayerMath(decoder.layers, lin) if lin is not None else None)
         # the output projection through `lin`, where fairseq's output_layer is the plain projection
@@ -80,6 +81,11 @@ class BlockDecoder:
             and decoder.adaptive_softmax is None and plain_modules(decoder.output_projection)) else None
         self._table: Optional[Tensor] = None
         self._version: Optional[tuple] = None
+
+    def start_call(self, n_sources: int) -> None:
+        """A generate call over `n_sources` sources begins (TransposedLinears.refresh)."""
+        if self.transposed is not None:
+            self.transposed.refresh(n_sources)
 
     def positions(self, length: int, device) -> Optional[Tensor]:
         """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0)."""

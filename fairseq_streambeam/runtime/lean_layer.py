@@ -52,20 +52,32 @@ class TransposedLinears:
     """`linear` with each weight also kept transposed ([in, out], contiguous): on the CPU, MKL
     multiplies the few rows of a decoder step by a weight in this layout faster than by fairseq's
     [out, in] (docs/benchmarks.md, "What the engine's parts save"). The products round differently
-    from fairseq's, so fixed beams, which equal fairseq's output bit for bit, keep `linear`. A copy
-    is made again when its weight changes (another tensor, or an in-place update)."""
+    from fairseq's, so fixed beams, which equal fairseq's output bit for bit, keep `linear`.
+
+    The copies are dropped by `refresh`, which generators call at the start of each generate call:
+    weights may change between calls in ways a tensor does not record (fairseq's optimizers write
+    `param.data`). Copying costs a pass over the weights, which pays back over many sources only,
+    so a call over fewer than `MIN_SOURCES` sources (the hub's, a few sentences) keeps `linear`."""
+
+    MIN_SOURCES = 16
 
     def __init__(self):
         self._copies: Dict[int, tuple] = {}
+        self.active = False
+
+    def refresh(self, n_sources: int) -> None:
+        """Forget the copies; the next call decodes `n_sources` sources."""
+        self._copies.clear()
+        self.active = n_sources >= self.MIN_SOURCES
 
     def __call__(self, module: nn.Linear, x: Tensor) -> Tensor:
         w = module.weight
-        if not x.is_cpu or torch.is_grad_enabled():
+        if not self.active or not x.is_cpu or torch.is_grad_enabled():
             return linear(module, x)
         copy = self._copies.get(id(module))
-        if copy is None or copy[0] is not w or copy[1] != w._version:
-            copy = self._copies[id(module)] = (w, w._version, w.detach().t().contiguous())
-        wt = copy[2]
+        if copy is None or copy[0] is not w:
+            copy = self._copies[id(module)] = (w, w.detach().t().contiguous())
+        wt = copy[1]
         x2 = x.reshape(-1, x.size(-1))
         y = torch.mm(x2, wt) if module.bias is None else torch.addmm(module.bias, x2, wt)
         return y.view(*x.shape[:-1], wt.size(1))
