@@ -135,7 +135,7 @@ class DecodeLoop:
         self.finished: List[Job] = []  # static/single: answered together when the batch ends
         self.inflight = 0  # sentences accepted and not yet answered
         self.dropped = 0  # sentences whose client went away before they entered decoding
-        self._lock = threading.Lock()  # inflight changes in both threads
+        self._lock = threading.Lock()  # inflight and the closed lanes' counts change in both threads
         self.stopping = False
         self._retired = Counters()  # counters of lanes that were closed
         self.thread = threading.Thread(target=self._run, name="streambeam-decode", daemon=True)
@@ -170,9 +170,10 @@ class DecodeLoop:
 
     def counters(self) -> Counters:
         """The counts of every lane, open or closed."""
-        total = Counters().add(self._retired)
-        for d in list(self.lanes.values()):
-            total.add(d.gen.counters)
+        with self._lock:
+            total = Counters().add(self._retired)
+            for d in list(self.lanes.values()):
+                total.add(d.gen.counters)
         return total
 
     def lane_for(self, spec) -> Optional[Any]:
@@ -340,12 +341,17 @@ class DecodeLoop:
             job.cancelled = True
             self._count(len(job.sources) - job.remaining)  # _refuse takes the whole job off the count
             self._refuse(job, why)
-        self.lanes.pop(spec)
+        self._retire(spec)
         if spec == self.base_spec:
             self.lane_for(spec)
 
     def _close_idle_lanes(self) -> None:
         for spec in [s for s, d in self.lanes.items() if not d.busy and s != self.base_spec]:
+            self._retire(spec)
+
+    def _retire(self, spec) -> None:
+        """Close lane `spec`, keeping its counts (/metrics reads every lane's under the lock)."""
+        with self._lock:
             self._retired.add(self.lanes.pop(spec).gen.counters)
 
 

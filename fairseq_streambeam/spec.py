@@ -255,7 +255,7 @@ GENERATION = {"beam": "beam_size", "nbest": "nbest", "max_len_a": "max_len_a", "
 # test of the value, flag. --score-reference scores the reference instead of decoding, and
 # --sampling-topk/-topp mean sampling.
 # build_generator's extra_gen_cls_kwargs the plugin's generators take (lm_model: shallow fusion's LM)
-EXTRA_ARGUMENTS = ("lm_model", "lm_weight", "eos", "tokens_to_suppress", "symbols_to_strip_from_output")
+EXTRA_ARGUMENTS = ("lm_model", "lm_weight", "tokens_to_suppress", "symbols_to_strip_from_output")
 REFUSED = [
     ("score_reference", bool, "--score-reference"),
     ("sampling", bool, "--sampling"),
@@ -271,7 +271,7 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
     """The spec of a task config (or argparse namespace) `cfg` and fairseq's generation options `gen`
     (None before they are known: then the widest beam the plugin's options allow, so that only the
     generation options' own checks wait for them). `extra` (fairseq's extra_gen_cls_kwargs: lm_model,
-    lm_weight, eos, tokens_to_suppress, symbols_to_strip_from_output) and `prefix_fn` are build_generator's
+    lm_weight, tokens_to_suppress, symbols_to_strip_from_output) and `prefix_fn` are build_generator's
     other arguments; fairseq also reads `prefix_allowed_tokens_fn` from `gen`."""
     extra = extra or {}
     prefix_fn = prefix_fn if prefix_fn is not None else getattr(gen, "prefix_allowed_tokens_fn", None)
@@ -282,7 +282,8 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
     else:
         fields = {f: _value(getattr(gen, g)) for g, f in GENERATION.items() if getattr(gen, g, None) is not None}
         fields["normalize_scores"] = not getattr(gen, "unnormalized", False)
-        fields.update({k: v for k, v in extra.items() if k in ("lm_weight", "eos")})
+        if "lm_weight" in extra:
+            fields["lm_weight"] = extra["lm_weight"]
         if extra.get("tokens_to_suppress"):
             fields["tokens_to_suppress"] = tuple(extra["tokens_to_suppress"])
         if extra.get("symbols_to_strip_from_output") is not None:

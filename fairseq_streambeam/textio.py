@@ -31,7 +31,7 @@ def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optiona
     if bpe in ("fastbpe", "subword_nmt") and not bpe_codes:
         return f"--bpe {bpe} needs --bpe-codes"
     path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes if bpe in ("fastbpe", "subword_nmt") else None
-    if path and not os.path.isfile(path):
+    if path and "://" not in path and not os.path.isfile(path):  # fairseq also opens URLs
         flag = "--sentencepiece-model" if bpe == "sentencepiece" else "--bpe-codes"
         return f"{flag} {path}: {'not a regular file' if os.path.exists(path) else 'no such file'}"
     return None

@@ -266,10 +266,12 @@ def test_build_generator_arguments_are_taken_or_refused():
     task = StreamBeamTranslationTask(StreamBeamConfig(decoding="beam", train_subset="train"), d, d)
     fairseq_task = TranslationTask(TranslationConfig(), d, d)
     ref = fairseq_task.build_generator([m], gen_args, extra_gen_cls_kwargs=suppress).generate([m], s)
-    assert_same_hypos(ref, task.build_generator([m], gen_args, extra_gen_cls_kwargs=suppress).generate([m], s))
+    gen = task.build_generator([m], gen_args, extra_gen_cls_kwargs=suppress)
+    assert sorted(gen.token_indices_to_suppress.tolist()) == [8, 9]
+    assert_same_hypos(ref, gen.generate([m], s))
     fn_args = argparse.Namespace(beam=4, nbest=1, max_len_b=12, prefix_allowed_tokens_fn=lambda b, t: [2])
     for args, kwargs, refused in ((fn_args, {}, "prefix_allowed_tokens_fn"),
-                                  (gen_args, {"extra_gen_cls_kwargs": {"nope": 1}}, "nope"),
+                                  (gen_args, {"extra_gen_cls_kwargs": {"eos": 3}}, "eos"),
                                   (gen_args, {"seq_gen_cls": SequenceGenerator}, "seq_gen_cls")):
         with pytest.raises(UsageError, match=refused):
             task.build_generator([m], args, **kwargs)

@@ -301,6 +301,9 @@ def test_sigterm_answers_every_accepted_request(offline):
 def test_a_failed_step_answers_its_requests_with_500():
     """A decoding step that raises: the lane's requests are answered 500 (none waits forever), the
     in-flight count returns to 0, and the server's own lane is open again for the next request."""
+    from types import SimpleNamespace
+
+    from fairseq_streambeam.runtime.counters import Counters
     from fairseq_streambeam.serve import DecodeLoop, Job, Refused
 
     class Failing:
@@ -308,6 +311,7 @@ def test_a_failed_step_answers_its_requests_with_500():
 
         def __init__(self):
             self.rows = 0
+            self.gen = SimpleNamespace(counters=Counters(decoder_steps=3))
 
         @property
         def busy(self):
@@ -344,3 +348,4 @@ def test_a_failed_step_answers_its_requests_with_500():
     assert err.status == 500 and str(err) == "decoding failed: RuntimeError: CUDA error: out of memory"
     assert loop.inflight == 0 and not loop.thread.is_alive()
     assert loop.lanes["spec"].rows == 0  # the server's own lane, open again and empty
+    assert loop.counters().decoder_steps == 6  # the failed lane's counts are kept
