@@ -249,7 +249,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def check_args(a: argparse.Namespace) -> None:
     """Mistakes found before any model loads."""
     from .spec import is_checkpoint_file
-    from .textio import bpe_problem
+    from .textio import bpe_problem, file_problem
 
     if a.beam < 1:
         raise CalibrationError(f"--beam must be >= 1, got {a.beam}")
@@ -263,19 +263,18 @@ def check_args(a: argparse.Namespace) -> None:
         raise CalibrationError(f"--tolerance must be >= 0, got {a.tolerance:g}")
     if not os.path.isdir(a.data):
         raise CalibrationError(f"--data {a.data}: no such directory")
-    for ckpt in a.path.split(":"):
-        if not os.path.isfile(ckpt):
-            raise CalibrationError(f"--path {ckpt}: {'not a regular file' if os.path.exists(ckpt) else 'no such file'}")
-        if not is_checkpoint_file(ckpt):
-            raise CalibrationError(f"--path {ckpt}: not a fairseq checkpoint")
     if a.src and not a.ref:
         raise CalibrationError("--src needs --ref: calibration scores BLEU against a reference")
-    for f in filter(None, (a.src, a.ref)):
-        if not os.path.isfile(f):
-            raise CalibrationError(f"{f}: no such file")
+    for name, path in [("--path", ckpt) for ckpt in a.path.split(":")] + [("--src", a.src), ("--ref", a.ref)]:
+        problem = path and file_problem(name, path)
+        if problem:
+            raise CalibrationError(problem)
     problem = bpe_problem(a.bpe, a.bpe_codes, a.sentencepiece_model) if a.src else None
     if problem:
         raise CalibrationError(problem)
+    for ckpt in a.path.split(":"):
+        if not is_checkpoint_file(ckpt):
+            raise CalibrationError(f"--path {ckpt}: not a fairseq checkpoint")
     if not DECODINGS[a.decoding].variable and not a.nbest:
         raise CalibrationError(f"--decoding {a.decoding} has no pruning to calibrate: give --nbest evidence to tune "
                                "LMBR, or use --decoding var-stream")

@@ -35,6 +35,7 @@ from .frontend import (
 )
 from .runtime.counters import Counters
 from .spec import UsageError
+from .textio import file_problem
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
@@ -45,8 +46,9 @@ def check_args(args) -> None:
     """frontend.check_model_options, this command's own counts, and that the inputs exist."""
     check_model_options(args, ("shard_lines", "batch_size", "max_tokens", "threads"))
     for path in args.input:
-        if not os.path.isfile(path):
-            raise UsageError(f"--input {path}: no such file")
+        problem = file_problem("--input", path)
+        if problem:
+            raise UsageError(problem)
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output-dir {args.output_dir}: not a directory")
 

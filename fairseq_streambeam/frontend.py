@@ -67,10 +67,6 @@ def check_model_options(args: argparse.Namespace, positive=("batch_size", "max_t
     problem = bpe_problem(args.bpe, args.bpe_codes, args.sentencepiece_model)
     if problem:
         raise UsageError(problem)
-    for name in ("sentencepiece_model", "bpe_codes"):
-        path = getattr(args, name)
-        if path and not os.path.isfile(path):
-            raise UsageError(f"--{name.replace('_', '-')} {path}: no such file")
 
 
 @dataclasses.dataclass

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .search.finalize import finished_per_source
 from .search.pruning import Pruning
+from .textio import file_problem
 
 
 class UsageError(ValueError):
@@ -311,8 +311,9 @@ def check_files(spec: DecodeSpec) -> None:
     model loads (not at parse time: a script may write a file after parsing its command)."""
     for name in FILES:
         path = getattr(spec, name)
-        if path and not os.path.isfile(path):
-            raise UsageError(f"{flag(name)} {path}: {'not a regular file' if os.path.exists(path) else 'no such file'}")
+        problem = file_problem(flag(name), path) if path else None
+        if problem:
+            raise UsageError(problem)
     if spec.drafter and not is_checkpoint_file(spec.drafter):
         raise UsageError(f"--drafter {spec.drafter} is not a checkpoint (a file written by torch.save, e.g. "
                          "checkpoint_best.pt of scripts/train_drafter.sh)")

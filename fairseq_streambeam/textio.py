@@ -31,10 +31,16 @@ def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optiona
     if bpe in ("fastbpe", "subword_nmt") and not bpe_codes:
         return f"--bpe {bpe} needs --bpe-codes"
     path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes if bpe in ("fastbpe", "subword_nmt") else None
-    if path and "://" not in path and not os.path.isfile(path):  # fairseq also opens URLs
-        flag = "--sentencepiece-model" if bpe == "sentencepiece" else "--bpe-codes"
-        return f"{flag} {path}: {'not a regular file' if os.path.exists(path) else 'no such file'}"
+    if path and "://" not in path:  # fairseq also opens URLs
+        return file_problem("--sentencepiece-model" if bpe == "sentencepiece" else "--bpe-codes", path)
     return None
+
+
+def file_problem(flag: str, path: str) -> Optional[str]:
+    """Why `path`, given as `flag`, is not a regular file, in one line (None: it is one)."""
+    if os.path.isfile(path):
+        return None
+    return f"{flag} {path}: {'not a regular file' if os.path.exists(path) else 'no such file'}"
 
 
 def tokenizers() -> List[str]:
