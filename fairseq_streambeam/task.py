@@ -25,7 +25,7 @@ from .drafters.ngram_lookup import LOOKUP_BLOCK, LookupDrafter, NgramTable
 from .generators.aggressive import AggressiveGenerator
 from .generators.stream_beam import StreamBeamGenerator
 from .models.block_drafter import load_drafter
-from .options import StreamBeamConfig, check_at_parse_time, install_usage_error_hook
+from .options import StreamBeamConfig, check_at_parse_time, install_usage_error_hook, plugin_fields
 from .runtime.counters import Counters
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
@@ -186,9 +186,10 @@ def _report_at_exit(gen, name: str) -> None:
 def attach_to_hub(hub, **options):
     """Make a fairseq hub interface (`TransformerModel.from_pretrained(...)`) decode through this
     plugin's task; `options` are the task's fields, e.g. `attach_to_hub(hub, decoding="var-stream",
-    finish_count=1)`. Returns the hub."""
+    finish_count=1)`. Each call is a new command line: fairseq's translation options are kept, the
+    plugin's own return to their defaults unless given. Returns the hub."""
     old = hub.task
-    names = {f.name for f in dataclasses.fields(StreamBeamConfig)}
+    names = {f.name for f in dataclasses.fields(StreamBeamConfig)} - {f.name for f in plugin_fields()}
     base = {k: getattr(old.cfg, k) for k in names if hasattr(old.cfg, k) and k not in options}
     base.setdefault("train_subset", "train")
     base.setdefault("required_seq_len_multiple", 1)

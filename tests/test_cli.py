@@ -113,3 +113,27 @@ def test_hub_interface(tiny_run):
     attach_to_hub(hub, decoding="var-stream")
     out = hub.translate(sents, beam=4)
     assert len(out) == 4 and all(isinstance(x, str) for x in out)
+
+
+def test_hub_reattached_starts_from_the_plugin_defaults(tiny_run, tmp_path):
+    """Each attach_to_hub is a new command line: an option of the previous decoding (gad's lookup
+    table, var-stream's threshold) does not stay behind and get refused by the next."""
+    from fairseq.models.transformer import TransformerModel
+
+    from fairseq_streambeam import attach_to_hub
+
+    data, ckpt = tiny_run
+    hub = TransformerModel.from_pretrained(str(ckpt.parent), ckpt.name, data_name_or_path=str(data),
+                                           source_lang="src", target_lang="tgt")
+    sents = ["w1 w2 w3", "w4"]
+    greedy = hub.translate(sents, beam=1)
+    ref = hub.translate(sents, beam=4)
+    lookup = tmp_path / "targets.txt"
+    lookup.write_text("w1 w2 w3 w4\n")
+    attach_to_hub(hub, decoding="gad", draft_lookup=str(lookup))
+    assert hub.translate(sents, beam=1) == greedy
+    attach_to_hub(hub, decoding="beam")
+    assert hub.task.spec.draft_lookup is None and hub.translate(sents, beam=4) == ref
+    attach_to_hub(hub, decoding="var-stream", prune_abs_threshold=1.0)
+    attach_to_hub(hub, decoding="beam")
+    assert hub.translate(sents, beam=4) == ref

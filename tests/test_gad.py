@@ -513,3 +513,14 @@ def test_gad_plus_plus_never_switches_drafting_off():
     dr = ModelDrafter(random_drafter(D, 94), D)
     assert AggressiveGenerator([m], D, drafter=dr, decoding="gad", gad_beta=3).draft_switch is None
     assert AggressiveGenerator([m], D, drafter=dr, decoding="gad").draft_switch is not None
+
+
+def test_gad_without_a_drafter_object_is_refused():
+    """A generator built directly cannot read --drafter/--draft-lookup files (the task does): gad
+    without `drafter=` is refused, not decoded with IAD's input copy."""
+    from fairseq_streambeam.spec import UsageError
+
+    m = random_transformer(D, 95)
+    for kw in ({}, {"draft_lookup": "targets.txt"}):
+        with pytest.raises(UsageError, match="needs drafter="):
+            AggressiveGenerator([m], D, decoding="gad", **kw)

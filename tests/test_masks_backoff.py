@@ -157,3 +157,14 @@ def test_backoff_is_the_best_lost_eos_of_a_slow_reference():
         else:
             assert out[row][0]["score"].item() == -math.inf
     assert used == gen.counters.backoff_hypotheses >= 1
+
+
+@pytest.mark.parametrize("option", [{"token_masks": "masks.jsonl"}, {"lmbr_posteriors": "posteriors.jsonl"}])
+def test_scorer_files_without_scorer_objects_are_refused(option):
+    """A generator built directly does not read scorer files (the task does): naming one without
+    `scorers=` is refused, not decoded without the scorer."""
+    from fairseq_streambeam import StreamBeamGenerator
+    from fairseq_streambeam.spec import UsageError
+
+    with pytest.raises(UsageError, match="need scorers="):
+        StreamBeamGenerator([MODEL], D, beam_size=4, decoding="var-batch", **option)

@@ -297,7 +297,7 @@ def hubs(wmt19):
 
 
 def translate(hub, stock_task, src: List[str], beam: int, **options) -> List[str]:
-    hub.task = stock_task  # attach_to_hub keeps the options of an earlier attach
+    hub.task = stock_task  # each decoding attached to the stock task, as to a freshly loaded hub
     attach_to_hub(hub, **options)
     return hub.translate(src, beam=beam)
 

@@ -34,7 +34,7 @@ from ..runtime.lean_layer import Slots
 from ..runtime.rows import Rows
 from ..runtime.scheduler import Budget, Scheduler
 from ..search.penalties import FairseqPenalties
-from ..spec import DecodeSpec
+from ..spec import DecodeSpec, UsageError
 from .common import Sources, family_spec, hypothesis, sequence_generator_args, to_host
 
 
@@ -116,6 +116,9 @@ class AggressiveGenerator(SequenceGenerator):
         self.blocks = [BlockDecoder(m.decoder, spec.compile, transposed=True) for m in self.model.models]
         check_vocabulary(self.model, tgt_dict)
         self.spec = spec
+        if drafter is None and spec.decoding == "gad":  # the task builds the one --drafter/--draft-lookup name
+            raise UsageError("AggressiveGenerator: --decoding gad needs drafter=; the task builds it from "
+                             "--drafter or --draft-lookup (attach_to_hub, task.build_generator)")
         self.drafter: Drafter = drafter or InputCopyDrafter(spec.iad_ngram, spec.block_size)
         self.beta, self.tau = spec.gad_beta, spec.gad_tau
         self.draft_budget = DraftBudget(spec.min_reach)

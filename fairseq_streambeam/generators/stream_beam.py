@@ -226,6 +226,9 @@ class StreamBeamGenerator(SequenceGenerator):
             raise UsageError("--print-alignment with a full-context alignment model needs --decoding fairseq")
         self.print_alignment = spec.print_alignment  # hard | soft | None
         # additive / masking terms applied in order before top-k (LMBR, token masks): see scorers/base.py
+        if not scorers and (spec.lmbr_posteriors or spec.token_masks):  # files the task reads into scorers
+            raise UsageError("StreamBeamGenerator: --lmbr-posteriors and --token-masks need scorers=; the task "
+                             "builds them from the files (attach_to_hub, task.build_generator)")
         self.scorer = ScorerStack(scorers) if scorers else None
         self.counters = Counters()
 
