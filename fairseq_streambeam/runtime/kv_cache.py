@@ -81,14 +81,20 @@ class KVCache:
         keys when they are cached per source (finished sources leave)."""
         self.n_sources = keep.numel()
         if self.per_source:
-            for dec, state in zip(self.decoders, self.states):
-                for mha in _encoder_attn(dec):
-                    buf = mha._get_input_buffer(state)
-                    if buf:
-                        mha._set_input_buffer(state, {name: None if t is None else t.index_select(0, keep)
-                                                      for name, t in buf.items()})
+            for buf in self._buffers(_encoder_attn):
+                buf.update({name: None if t is None else t.index_select(0, keep) for name, t in buf.items()})
         if self.encoder_outs is not None:
             self.encoder_outs = self.model.reorder_encoder_out(self.encoder_outs, keep)
+
+    def _buffers(self, attn=None):
+        """Every non-empty MultiheadAttention buffer of the self-attention modules (`attn`: another
+        module list, e.g. `_encoder_attn`), written back after the caller has changed it."""
+        for dec, state in zip(self.decoders, self.states):
+            for mha in (attn or _self_attn)(dec):
+                buf = mha._get_input_buffer(state)
+                if buf:
+                    yield buf
+                    mha._set_input_buffer(state, buf)
 
     # ---- rows ----
 
@@ -114,13 +120,9 @@ class KVCache:
         rows = self.take_pending()
         if rows is None:
             return
-        for dec, state in zip(self.decoders, self.states):
-            for mha in _self_attn(dec):
-                buf = mha._get_input_buffer(state)
-                if buf:
-                    for name in ("prev_key", "prev_value"):
-                        buf[name] = buf[name].index_select(0, rows)  # type: ignore[union-attr]
-                    mha._set_input_buffer(state, buf)
+        for buf in self._buffers():
+            for name in ("prev_key", "prev_value"):
+                buf[name] = buf[name].index_select(0, rows)  # type: ignore[union-attr]
 
     def select(self, rows: Tensor) -> None:
         """Keep rows `rows` (others leave), and the encoder keys some kept row still uses
@@ -192,25 +194,19 @@ class KVCache:
 
     def mask(self, masked: Tensor) -> None:
         """Mark self-attention slots `masked` [N, L] as padding."""
-        for dec, state in zip(self.decoders, self.states):
-            for mha in _self_attn(dec):
-                buf = mha._get_input_buffer(state)
-                old = buf.get("prev_key_padding_mask")  # fairseq stores it as float after appending
-                buf["prev_key_padding_mask"] = masked if old is None else old.bool() | masked
-                mha._set_input_buffer(state, buf)
+        for buf in self._buffers():
+            old = buf.get("prev_key_padding_mask")  # fairseq stores it as float after appending
+            buf["prev_key_padding_mask"] = masked if old is None else old.bool() | masked
 
     def truncate(self, length: int, last: bool = False) -> None:
         """Keep the first (`last`: the last) `length` self-attention slots of every row (a view)."""
         keep = slice(self.length - length, None) if last else slice(0, length)
-        for dec, state in zip(self.decoders, self.states):
-            for mha in _self_attn(dec):
-                buf = mha._get_input_buffer(state)
-                for name in ("prev_key", "prev_value"):
-                    buf[name] = buf[name][:, :, keep]
-                mask = buf.get("prev_key_padding_mask")
-                if mask is not None:
-                    buf["prev_key_padding_mask"] = mask[:, keep]
-                mha._set_input_buffer(state, buf)
+        for buf in self._buffers():
+            for name in ("prev_key", "prev_value"):
+                buf[name] = buf[name][:, :, keep]
+            mask = buf.get("prev_key_padding_mask")
+            if mask is not None:
+                buf["prev_key_padding_mask"] = mask[:, keep]
 
     compact_slack = 16  # masked slots tolerated beyond twice the longest row before `compact_if_sparse` compacts
 
