@@ -106,13 +106,8 @@ def read_evidence(path: str, fmt: str = "auto", n: Optional[int] = None,
     """sentence id -> [(natural-log score or None, units)] of one system's evidence file."""
     if fmt not in FORMATS:
         raise EvidenceError(f"unknown evidence format {fmt!r}; choose from {FORMATS}")
-    fmt = detect_format(path) if fmt == "auto" else fmt
-    if fmt == "fairseq":
-        raw = _read_fairseq(path)
-    elif fmt == "moses":
-        raw = _read_moses(path)
-    else:
-        raw = _read_text(path, n)
+    readers = {"fairseq": _read_fairseq, "moses": _read_moses, "text": lambda p: _read_text(p, n)}
+    raw = readers[detect_format(path) if fmt == "auto" else fmt](path)
     seg = segment or str.split
     return {sid: [(s, seg(text)) for s, text in entries] for sid, entries in raw.items()}
 
