@@ -25,10 +25,6 @@ class Ranked:
     carried: Tensor  # bool: a finished candidate carried over (sticky rule only)
 
 
-FINISH_COUNT_NEEDS_STICKY = ("--finish-count applies to the sticky rule (--decoding var-batch and var-stream); "
-                             "the fairseq rule always ends a source with k (--beam) finished hypotheses")
-
-
 class FairseqFinalize:
     """fairseq's SequenceGenerator rule: rank 2k candidates; EOS among the first k ranks is final
     (while fewer than k are final); the first k non-EOS candidates continue; a source is done with k
@@ -76,7 +72,8 @@ def finished_per_source(rule: str, beam_size: int, finish_count: Optional[int] =
     `nbest` that asks for more hypotheses than a source gets."""
     if rule == "fairseq":
         if finish_count is not None:
-            raise ValueError(FINISH_COUNT_NEEDS_STICKY)
+            raise ValueError("--finish-count applies to the sticky rule (--decoding var-batch and var-stream); "
+                             "the fairseq rule always ends a source with k (--beam) finished hypotheses")
         count = beam_size
     elif rule == "sticky":
         count = beam_size if finish_count is None else finish_count
