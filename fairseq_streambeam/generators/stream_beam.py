@@ -53,21 +53,11 @@ class LiveRows(NamedTuple):
     idx: Optional[Tensor]
 
 
-class Selection(NamedTuple):
-    """A step's decisions on the device: ranked candidates [B, R], which are final and which
-    continue, which sources are done, and each source's best lost EOS candidate (improved, rank)."""
-
-    ranked: Ranked
-    final: Tensor
-    keep: Tensor
-    done: Tensor
-    improved: Tensor
-    lost_rank: Tensor
-
-
 @dataclass
 class StepHost:
-    """The host copy of a Selection, made once per step (the step's one synchronization)."""
+    """A step's decisions, copied to the host once (the step's one synchronization): which ranked
+    candidates [B, R] are final and which continue, which sources are done, and each source's best
+    lost EOS candidate (improved, rank)."""
 
     final: np.ndarray  # [B, R] bool
     keep: np.ndarray  # [B, R] bool
@@ -314,12 +304,9 @@ class StreamBeamGenerator(SequenceGenerator):
         Returns the window rows of sources that finished."""
         live = self._live_rows(c)
         lprobs, step_attn = self._score(c, live)
-        sel = self._select(c, lprobs)
-        h = StepHost(**to_host(final=sel.final, keep=sel.keep, carried=sel.ranked.carried, eos=sel.ranked.is_eos,
-                               parent=sel.ranked.parent, done=sel.done, improved=sel.improved,
-                               lost_rank=sel.lost_rank))
-        self._emit(c, sel.ranked, h, step_attn, results)
-        self._advance(c, sel.ranked, h, step_attn)
+        ranked, h = self._select(c, lprobs)
+        self._emit(c, ranked, h, step_attn, results)
+        self._advance(c, ranked, h, step_attn)
         return self._evict(c, h, results)
 
     def _live_rows(self, c: BeamCohort) -> LiveRows:
@@ -367,9 +354,10 @@ class StreamBeamGenerator(SequenceGenerator):
             self.penalties.match_length(lprobs, L, s.max_len_t.index_select(0, live.src))
         return lprobs
 
-    def _select(self, c: BeamCohort, lprobs: Tensor) -> Selection:
+    def _select(self, c: BeamCohort, lprobs: Tensor) -> Tuple[Ranked, StepHost]:
         """Rank each source's candidates, apply the finalization rule and delta pruning, and find
-        the sources that are done and the best EOS candidate lost on each (the backoff), on the device."""
+        the sources that are done and the best EOS candidate lost on each (the backoff), on the
+        device; returns the ranked candidates and the decisions' one host copy."""
         s = c.src
         ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked,
                                  self.eos, self.pad, self.rank_like_fairseq)
@@ -386,7 +374,8 @@ class StreamBeamGenerator(SequenceGenerator):
         lost_best, lost_rank = ranked.scores.masked_fill(~lost, -math.inf).max(1)
         improved = lost_best > s.finish.lost_best
         s.finish.lost_best = torch.maximum(s.finish.lost_best, lost_best)
-        return Selection(ranked, final, keep, done, improved, lost_rank)
+        return ranked, StepHost(**to_host(final=final, keep=keep, carried=ranked.carried, eos=ranked.is_eos,
+                                          parent=ranked.parent, done=done, improved=improved, lost_rank=lost_rank))
 
     def _emit(self, c: BeamCohort, ranked: Ranked, h: StepHost, step_attn: Optional[Tensor],
               results: List[List[Dict[str, Tensor]]]) -> None:
