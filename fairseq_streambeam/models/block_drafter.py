@@ -145,12 +145,8 @@ def block_drafter_architecture(args):
 @register_model_architecture("block_drafter", "block_drafter_small")
 def block_drafter_small(args):
     """The size of shared/models/deen-tiny (3+3 layers, d=256), for drafters initialised from it."""
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
-    args.encoder_layers = getattr(args, "encoder_layers", 3)
-    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    small = dict(encoder_embed_dim=256, decoder_embed_dim=256, encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024,
+                 encoder_attention_heads=4, decoder_attention_heads=4, encoder_layers=3, decoder_layers=2)
+    for name, default in small.items():
+        setattr(args, name, getattr(args, name, default))
     block_drafter_architecture(args)
