@@ -513,8 +513,7 @@ class StreamBeamGenerator(SequenceGenerator):
         toks = torch.cat([b.tokens.index_select(0, par_t)[:, 1:],
                           torch.full((len(pos), 1), self.eos, dtype=torch.long, device=dev)], 1)
         cum = torch.cat([b.cum.index_select(0, par_t), raw.unsqueeze(1)], 1)
-        step_lp = cum.clone()
-        step_lp[:, 1:] = cum[:, 1:] - cum[:, :-1]
+        step_lp = torch.diff(cum, dim=1, prepend=cum.new_zeros(len(pos), 1))
         src_of = pos // R
         lens = np.where(h.carried.reshape(-1)[pos], c.len_h[parents], s.steps.h[src_of] + 1)
         start = b.tokens.size(1) - 1 - s.steps.h[src_of]  # 0 unless ragged (right-aligned rows)
