@@ -80,11 +80,10 @@ class BlockDraftingCriterion(FairseqCriterion):
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:
-        loss = sum(log.get("loss", 0) for log in logging_outputs)
-        nll = sum(log.get("nll_loss", 0) for log in logging_outputs)
         n = sum(log.get("sample_size", 0) for log in logging_outputs)
-        metrics.log_scalar("loss", loss / max(n, 1) / torch.log(torch.tensor(2.0)).item(), n, round=3)
-        metrics.log_scalar("nll_loss", nll / max(n, 1) / torch.log(torch.tensor(2.0)).item(), n, round=3)
+        for name in ("loss", "nll_loss"):
+            total = sum(log.get(name, 0) for log in logging_outputs)
+            metrics.log_scalar(name, total / max(n, 1) / torch.log(torch.tensor(2.0)).item(), n, round=3)
         blocks = sum(log.get("blocks", 0) for log in logging_outputs)
         if blocks:
             acc = sum(log.get("accepted", 0) for log in logging_outputs)
