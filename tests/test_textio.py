@@ -70,3 +70,16 @@ def test_calibrate_tokenizes_evidence_in_the_target_language(tmp_path):
                     "--nbest", str(ev), "--n", "1"])
     _, summary = load_evidence(a, d)
     assert summary.endswith("; 0 of 4 evidence units not in the dictionary (mapped to unk)")  # "3" would be one
+
+
+def test_distill_pairs_lines_split_at_newlines_only(tmp_path):
+    """A lone carriage return inside a source line keeps the pairing (it was a line break to
+    Python's universal newlines, shifting every later pair)."""
+    from fairseq_streambeam.drafters.distill import main
+
+    (tmp_path / "src").write_bytes(b"a\rb\nc d\n")
+    (tmp_path / "hyp").write_bytes(b"A B\nC D\n")
+    assert main(["--src", str(tmp_path / "src"), "--hyp", str(tmp_path / "hyp"), "--out-prefix",
+                 str(tmp_path / "out/train"), "-s", "de", "-t", "en", "--bpe", "none"]) == 0
+    assert (tmp_path / "out/train.en").read_text().split("\n") == ["A B", "C D", ""]
+    assert (tmp_path / "out/train.de").read_bytes().split(b"\n")[1] == b"c d"

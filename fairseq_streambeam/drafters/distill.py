@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..textio import read_lines
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.drafters.distill",
@@ -26,11 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--bpe", choices=["sentencepiece", "none"], default="sentencepiece")
     p.add_argument("--sentencepiece-model")
     a = p.parse_args(argv)
-    src = Path(a.src).read_text(encoding="utf-8").split("\n")
-    hyp = Path(a.hyp).read_text(encoding="utf-8").split("\n")
-    for lines in (src, hyp):
-        if lines and lines[-1] == "":
-            lines.pop()
+    src, hyp = read_lines(a.src), read_lines(a.hyp)  # split at "\n" only, as decode_corpus writes them
     if len(src) != len(hyp):
         print(f"error: {a.src} has {len(src)} lines but {a.hyp} has {len(hyp)}", file=sys.stderr)
         return 2
