@@ -251,11 +251,11 @@ GENERATION = {"beam": "beam_size", "nbest": "nbest", "max_len_a": "max_len_a", "
               "min_len": "min_len", "lenpen": "len_penalty", "unkpen": "unk_penalty", "temperature": "temperature",
               "no_repeat_ngram_size": "no_repeat_ngram_size", "match_source_len": "match_source_len",
               "print_alignment": "print_alignment"}
+# build_generator's extra_gen_cls_kwargs the plugin's generators take (lm_model: shallow fusion's LM)
+EXTRA_ARGUMENTS = ("lm_model", "lm_weight", "tokens_to_suppress", "symbols_to_strip_from_output")
 # fairseq generation options no plugin decoding implements (--decoding fairseq has them): name,
 # test of the value, flag. --score-reference scores the reference instead of decoding, and
 # --sampling-topk/-topp mean sampling.
-# build_generator's extra_gen_cls_kwargs the plugin's generators take (lm_model: shallow fusion's LM)
-EXTRA_ARGUMENTS = ("lm_model", "lm_weight", "tokens_to_suppress", "symbols_to_strip_from_output")
 REFUSED = [
     ("score_reference", bool, "--score-reference"),
     ("sampling", bool, "--sampling"),
