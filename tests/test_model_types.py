@@ -155,3 +155,80 @@ def test_fconv_prepared_with_beamable_mm():
         prepared = fconv_model(4)
         prepared.make_generation_fast_(beamable_mm_beam_size=4)
         assert_same_hypos(want, ours([prepared], D, s, decoding=decoding, budget=Budget(3), **kw)[0], msg=decoding)
+
+
+def _transformer(seed: int, **options):
+    """A tiny fairseq transformer built from `options` as given (adaptive softmax, learned positions)."""
+    from fairseq.models.transformer import TransformerModel, tiny_architecture
+
+    torch.manual_seed(seed)
+    args = argparse.Namespace(**{**dict(encoder_layers=2, decoder_layers=2, encoder_embed_dim=24,
+                                        decoder_embed_dim=24, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
+                                        encoder_attention_heads=2, decoder_attention_heads=2, dropout=0.0,
+                                        max_source_positions=64, max_target_positions=64), **options})
+    tiny_architecture(args)
+    for name, value in options.items():
+        setattr(args, name, value)
+    model = TransformerModel.build_model(args, _Task())
+    with torch.no_grad():
+        for p in getattr(model.decoder.adaptive_softmax, "head", torch.nn.Module()).parameters():
+            p.mul_(3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adaptive_softmax_decodes_in_every_mode(dtype):
+    """fairseq's adaptive softmax reads [B, T, C] features (IAD verifies packed real slots [T, C])
+    and keeps float64 log-probs (the beam scores are float32)."""
+    from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+
+    m = _transformer(0, adaptive_softmax_cutoff="10,18", adaptive_softmax_dropout=0.0).to(dtype)
+    s = make_sample(D, random_sentences(D, 7, 100, max_len=9))
+    kw = dict(max_len_b=12)
+    assert_same_hypos(fairseq_generate([m], D, s, beam_size=4, **kw), ours([m], D, s, beam_size=4, **kw)[0])
+    assert_same_hypos(fairseq_generate([m], D, s, beam_size=1, **kw),
+                      AggressiveGenerator([m], D, beam_size=1, **kw).generate([m], s))
+    ref, _ = ours([m], D, s, beam_size=4, decoding="var-batch", **kw)
+    assert_same_hypos(ref, ours([m], D, s, beam_size=4, decoding="var-stream", budget=Budget(3), **kw)[0])
+
+
+def test_iad_with_learned_positions_up_to_the_last():
+    """Outputs as long as the learned position table allows, in batches: padded block slots past
+    a row's limit must not read positions beyond the table."""
+    from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+
+    m = _transformer(0, max_target_positions=8, decoder_learned_pos=True)
+    s = make_sample(D, random_sentences(D, 7, 0, max_len=9))
+    ref = fairseq_generate([m], D, s, beam_size=1)
+    assert max(len(h[0]["tokens"]) for h in ref) == 8
+    assert_same_hypos(ref, AggressiveGenerator([m], D, beam_size=1).generate([m], s))
+
+
+def test_lstm_alignment_on_left_padded_sources_matches_fairseq():
+    """fairseq's LSTMEncoder re-pads left-padded sources to the right: its attention holds each
+    source at positions 0..n-1, and the alignments are read from there."""
+    from fairseq.sequence_generator import SequenceGeneratorWithAlignment
+
+    models = [lstm_model(63).double()]
+    s = make_sample(D, random_sentences(D, 6, 68, max_len=9), left_pad=True)
+    kw = dict(beam_size=3, max_len_b=10, print_alignment="hard")
+    ref = SequenceGeneratorWithAlignment(models, D, **kw).generate(models, s)
+    var = ours(models, D, s, decoding="var-batch", **kw)[0]
+    for decoding, want in (("beam", ref), ("fixed-stream", ref), ("var-stream", var)):
+        got = ours(models, D, s, decoding=decoding, budget=Budget(3), **kw)[0]
+        assert_same_hypos(want, got, msg=decoding)
+        for a, b in zip(want, got):
+            for x, y in zip(a, b):
+                assert x["alignment"] == y["alignment"], decoding
+                assert torch.allclose(x["attention"].double(), y["attention"].double(), atol=1e-6), decoding
+
+
+def test_sources_that_are_not_token_ids_are_refused():
+    """Speech models read features [B, T, F]: one clear error instead of a failure deep inside."""
+    from fairseq_streambeam.spec import UsageError
+
+    m = lstm_model(0)
+    s = make_sample(D, random_sentences(D, 2, 1, max_len=5))
+    s["net_input"]["src_tokens"] = torch.randn(2, 5, 8)
+    with pytest.raises(UsageError, match="token ids"):
+        ours([m], D, s, beam_size=2)

@@ -29,6 +29,13 @@ def pad_width(hist: Tensor, width: int) -> Tensor:
     return hist if hist.size(2) >= width else F.pad(hist, (0, width - hist.size(2)))
 
 
+def encoder_repads_right(model) -> bool:
+    """fairseq's LSTMEncoder with `left_pad` moves left padding to the right before encoding
+    (utils.convert_padding_direction): its outputs, and the attention over them that fairseq
+    returns, hold each source at positions 0..n-1 whatever the sample's padding."""
+    return any(getattr(getattr(m, "encoder", None), "left_pad", False) for m in model.models)
+
+
 def cat(a: Tensor, b: Tensor) -> Tensor:
     """Histories of two cohorts of equal length, b's rows after a's."""
     width = max(a.size(2), b.size(2))

@@ -222,8 +222,11 @@ class AggressiveGenerator(SequenceGenerator):
         # the block's layout on the host (numpy: cheaper than a few small torch ops)
         arange = np.arange(m)
         pad = arange[None, :] > np.asarray(lens)[:, None]  # slot j > 0 holds draft token j - 1
-        steps = np.fromiter((len(out) for out in outs), np.int64, n)[:, None] + arange
-        at_max = steps >= np.asarray(g.rows.max_len, dtype=np.int64)[:, None]
+        max_len = np.asarray(g.rows.max_len, dtype=np.int64)[:, None]
+        # real slots end at the row's limit; padding past it takes the limit's position, which a
+        # learned position table has (padding is never read)
+        steps = np.minimum(np.fromiter((len(out) for out in outs), np.int64, n)[:, None] + arange, max_len)
+        at_max = steps >= max_len
         last = torch.tensor([out[-1] if out else self.bos for out in outs], dtype=torch.long)
         tokens = torch.cat([last.to(dev).unsqueeze(1), drafts], 1)
         pad_t = slots = None

@@ -31,6 +31,9 @@ class Sources:
         --match-source-len: each source's own length, where fairseq takes the batch's longest)."""
         net_input, pad = sample["net_input"], gen.pad
         src_tokens = net_input["src_tokens"]
+        if src_tokens.dim() != 2 or src_tokens.is_floating_point():  # e.g. speech features [B, T, F]
+            raise UsageError("the plugin's decodings need sources of token ids [batch, length]; "
+                             "use --decoding fairseq for this model")
         n_src = src_tokens.size(0)
         lengths = src_tokens.ne(pad).sum(1).tolist()
         ids = sample.get("id")

@@ -294,8 +294,9 @@ class StreamBeamGenerator(SequenceGenerator):
             cohort.src_width = srcs.sample_width
         if self.print_alignment:
             cohort.attn = torch.zeros(len(new), 0, 0, device=device)  # empty histories, widened by the first step
-            cohort.sample_width, cohort.left_pad = srcs.sample_width, srcs.left_pad
-            if srcs.left_pad:
+            cohort.sample_width = srcs.sample_width
+            cohort.left_pad = srcs.left_pad and not alignment.encoder_repads_right(self.model)
+            if cohort.left_pad:
                 sources.enc_start = cohort.src_width - src_len
         return cohort
 

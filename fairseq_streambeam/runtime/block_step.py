@@ -166,7 +166,9 @@ def ensemble_lprobs(models, logits: List[Tensor], temperature: float) -> Tensor:
     for m, x in zip(models, logits):
         if temperature != 1.0:
             x = x.div_(temperature)
-        outs.append(m.get_normalized_probs((x, None), log_probs=True))
+        packed = x.dim() == 2  # real slots only [T, V]: fairseq's adaptive softmax reads [B, T, C]
+        lp = m.get_normalized_probs((x.unsqueeze(0) if packed else x, None), log_probs=True)
+        outs.append(lp.squeeze(0) if packed else lp)
     if len(outs) == 1:
         return outs[0]
     return torch.logsumexp(torch.stack(outs, dim=0), dim=0) - math.log(len(outs))

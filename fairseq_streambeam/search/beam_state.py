@@ -80,6 +80,7 @@ def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: 
         child = live_lprobs.add_(live_score.unsqueeze(1))
     else:  # log-probs less precise than the scores: the sum is a new tensor in the scores' precision
         child = live_lprobs + live_score.unsqueeze(1)
+    score = score.to(child.dtype)  # log-probs more precise (fairseq's adaptive softmax keeps float64): theirs
     if like_fairseq and all_live and per in (1, k) and per * n_sources == n and c >= r and r < per * vocab:
         scores, idx = child.reshape(n_sources, per * vocab).topk(r, dim=1)
         parent = torch.arange(n_sources, device=device).unsqueeze(1) * per + idx // vocab
