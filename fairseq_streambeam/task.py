@@ -131,7 +131,7 @@ class StreamBeamTranslationTask(TranslationTask):
         st = os.stat(path)
         key = (path, st.st_mtime_ns, st.st_size)
         if self._lmbr_loaded is None or self._lmbr_loaded[:3] != key:
-            self._lmbr_loaded = (*key, load_posteriors(path))
+            self._lmbr_loaded = (*key, load_posteriors(path, len(self.target_dictionary)))
         return self._lmbr_loaded[3]
 
     def _scorers(self, spec: DecodeSpec, n_models: int) -> list:
@@ -144,7 +144,7 @@ class StreamBeamTranslationTask(TranslationTask):
             lam = 1.0 / n_models if spec.lmbr_lambda is None else spec.lmbr_lambda
             out.append(LMBRScorer(self.lmbr_posteriors(spec.lmbr_posteriors), theta, lam, d.pad()))
         if spec.token_masks:
-            out.append(TokenMaskScorer(load_masks(spec.token_masks), d.eos(), d.pad()))
+            out.append(TokenMaskScorer(load_masks(spec.token_masks, len(d)), d.eos(), d.pad()))
         return out
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):

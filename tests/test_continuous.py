@@ -145,3 +145,12 @@ def test_non_transformer_falls_back(caplog):
     assert gen.scheduler.policy == "min-length"
     assert sum("falls back to min-length" in r.getMessage() for r in caplog.records) == 1
     assert_same_hypos(ref, got, atol=1e-5)
+
+
+def test_candidate_budget_given_as_an_option_is_used():
+    """`stream_candidates=` to a generator built without a budget is its budget (it was ignored)."""
+    from fairseq_streambeam import StreamBeamGenerator
+
+    gen = StreamBeamGenerator(MODELS[:1], D, beam_size=4, decoding="var-stream", stream_candidates=3)
+    assert gen.scheduler.budget.max_candidates == 3 and gen.scheduler.budget.max_sentences is None
+    assert StreamBeamGenerator(MODELS[:1], D, beam_size=4, decoding="var-stream").scheduler.budget.max_sentences == 64

@@ -1,6 +1,7 @@
 """LMBR n-gram posterior scorer: hand-computed scores, batched == slow reference through reordering
 and refill, zero posteriors reproduce unscored decoding, the evidence builder, the CLI path."""
 
+import json
 import math
 import random
 import re
@@ -272,7 +273,7 @@ def test_task_parses_posteriors_once_per_file_version(tmp_path, monkeypatch):
     import fairseq_streambeam.task as task_mod
 
     calls = []
-    monkeypatch.setattr(task_mod, "load_posteriors", lambda path: calls.append(path) or load_posteriors(path))
+    monkeypatch.setattr(task_mod, "load_posteriors", lambda path, *a: calls.append(path) or load_posteriors(path, *a))
     path = tmp_path / "p.jsonl"
     write_posteriors(path, {0: {(5,): 0.5}})
     task = _task(tmp_path, decoding="beam", lmbr_posteriors=str(path), lmbr_lambda=1.0)
@@ -348,3 +349,19 @@ def test_bench_runs_lmbr_variants_on_a_subset(tiny_run, tmp_path):
     assert [r["method"] for r in rows] == ["beam", "beam+lmbr", "var-stream+lmbr"]
     sub = load_posteriors(str(tmp_path / "lmbr_posteriors.subset.jsonl"))
     assert len(sub) == 20 and sub[10] == {(7,): 0.5}  # subset index 10 is test line 30 (every 3rd line)
+
+
+@pytest.mark.parametrize("kind", ["lmbr_posteriors", "token_masks"])
+@pytest.mark.parametrize("token", [len(D), -1])
+def test_scorer_files_with_ids_outside_the_dictionary_are_refused_when_read(tmp_path, kind, token):
+    """An id the target dictionary does not have is named with its file and line when the task
+    builds the generator, not met as an index error in the middle of decoding."""
+    import argparse
+
+    path = tmp_path / "f.jsonl"
+    rec = {"id": 0, "ngrams": [[[5, token], 0.5]]} if kind == "lmbr_posteriors" else {"id": 0, "ban": [5, token]}
+    path.write_text('{"id": 1, "allow": [5]}\n' * (kind == "token_masks") + json.dumps(rec) + "\n")
+    task = _task(tmp_path, decoding="var-batch", **{kind: str(path)})
+    line = 2 if kind == "token_masks" else 1
+    with pytest.raises(ValueError, match=rf"f.jsonl:{line}: token id {token} is not in the target dictionary"):
+        task.build_generator([MODEL], argparse.Namespace(beam=4, nbest=1, max_len_b=12))

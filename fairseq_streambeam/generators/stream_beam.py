@@ -204,7 +204,8 @@ class StreamBeamGenerator(SequenceGenerator):
         self.lean_steps = (bool(blocks) and all(b.lean for b in blocks) and spec.print_alignment is None
                            and all(_full_precision(m) for m in self.model.models))
         self.blocks = blocks if policy in RAGGED or self.lean_steps else []
-        self.scheduler = Scheduler(policy, budget or Budget(), spec.refill_eps, spec.max_wait_steps)
+        budget = budget or Budget(max_candidates=spec.stream_candidates)  # the task gives its run's budget
+        self.scheduler = Scheduler(policy, budget, spec.refill_eps, spec.max_wait_steps)
         self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
         self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=spec.unk_penalty,
                                           min_len=spec.min_len, suppress=self.token_indices_to_suppress,

@@ -5,7 +5,7 @@ candidates through reordering, merges and refill."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -43,3 +43,10 @@ class ScorerStack:
 
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
         return torch.stack([s.advance(state[:, k], tokens) for k, s in enumerate(self.scorers)], 1)
+
+
+def check_ids(path: str, line: int, ids: List[int], vocab: Optional[int]) -> None:
+    """Token ids read from line `line` of `path` lie in a dictionary of `vocab` entries."""
+    bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{path}:{line}: token id {bad[0]} is not in the target dictionary ({vocab} entries)")

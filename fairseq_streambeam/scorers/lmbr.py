@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .base import check_ids
+
 NGram = Tuple[int, ...]
 MAX_ORDER = 4
 
@@ -43,8 +45,9 @@ class Theta:
         return Theta(-1.0 if theta0 is None else theta0, ths)
 
 
-def load_posteriors(path: str) -> Dict[int, Dict[NGram, float]]:
-    """JSON lines `{"id": sentence id, "ngrams": [[[token ids], posterior], ...]}` (see build_posteriors)."""
+def load_posteriors(path: str, vocab: Optional[int] = None) -> Dict[int, Dict[NGram, float]]:
+    """JSON lines `{"id": sentence id, "ngrams": [[[token ids], posterior], ...]}` (see build_posteriors);
+    with `vocab`, every token id must be one of the target dictionary's (0..vocab-1)."""
     out: Dict[int, Dict[NGram, float]] = {}
     with open(path, encoding="utf-8") as f:
         for ln, line in enumerate(f, 1):
@@ -52,9 +55,10 @@ def load_posteriors(path: str) -> Dict[int, Dict[NGram, float]]:
                 continue
             try:
                 rec = json.loads(line)
-                out[int(rec["id"])] = {tuple(g): float(p) for g, p in rec["ngrams"]}
+                out[int(rec["id"])] = post = {tuple(int(t) for t in g): float(p) for g, p in rec["ngrams"]}
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{ln}: not a posterior record ({e})") from e
+            check_ids(path, ln, [t for g in post for t in g], vocab)
     return out
 
 

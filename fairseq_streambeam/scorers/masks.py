@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from .base import check_ids
+
 Mask = Tuple[str, List[int]]  # ("allow" | "ban", token ids)
 
 
-def load_masks(path: str) -> Dict[int, Mask]:
-    """JSON lines `{"id": sentence id, "allow": [ids]}` or `{"id": ..., "ban": [ids]}`."""
+def load_masks(path: str, vocab: Optional[int] = None) -> Dict[int, Mask]:
+    """JSON lines `{"id": sentence id, "allow": [ids]}` or `{"id": ..., "ban": [ids]}`; with `vocab`,
+    every token id must be one of the target dictionary's (0..vocab-1)."""
     out: Dict[int, Mask] = {}
     with open(path, encoding="utf-8") as f:
         for ln, line in enumerate(f, 1):
@@ -26,6 +29,7 @@ def load_masks(path: str) -> Dict[int, Mask]:
             if len(kinds) != 1 or "id" not in rec:
                 raise ValueError(f"{path}:{ln}: a mask record has an id and exactly one of allow/ban")
             out[int(rec["id"])] = (kinds[0], [int(t) for t in rec[kinds[0]]])
+            check_ids(path, ln, out[int(rec["id"])][1], vocab)
     return out
 
 
