@@ -59,9 +59,13 @@ class StreamBeamTranslationTask(TranslationTask):
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
         """fairseq's batching with two changes: required_batch_size_multiple is 1, because
         fairseq's batch_by_size silently drops a last batch that is not a multiple of it (fairseq
-        issues #5036, #5351); and streaming decodings get windows of `stream_window` batches."""
+        issues #5036, #5351); and streaming decodings get windows of `stream_window` batches, unless
+        the set is split across workers (`num_shards`), which fairseq does by whole batches: each
+        worker then decodes the sentences stock fairseq gives it. A limit of 0 or less is none."""
+        max_tokens = max_tokens if max_tokens is not None and max_tokens > 0 else None
+        max_sentences = max_sentences if max_sentences is not None and max_sentences > 0 else None
         self.budget = Budget(max_sentences, max_tokens, self.spec.stream_candidates)
-        if self.spec.kind.streaming:
+        if self.spec.kind.streaming and kwargs.get("num_shards", 1) == 1:
             w = self.spec.stream_window
             max_tokens = None if max_tokens is None else max_tokens * w
             max_sentences = None if max_sentences is None else max_sentences * w

@@ -224,3 +224,32 @@ def test_corpus_order_batches_consecutive_sentences(tiny_run, tmp_path):
     assert rows[1]["identical_to_exact_ref"] == 1.0
     assert rows[2]["identical_to_exact_ref"] >= 0.95  # float32 near-ties could flip one (tiny model)
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["corpus_order"] is True
+
+
+@pytest.mark.parametrize("decoding", ["var-stream", "iad"])
+def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decoding):
+    """fairseq splits a set across workers by whole batches: streaming windows would give one
+    worker whole windows and another nothing. A batch size of 0 is no limit, as in fairseq."""
+    import torch
+    from fairseq.data import LanguagePairDataset
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+    from helpers import make_dict
+
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    d = make_dict(20)
+    src = [torch.tensor([5] * (1 + i % 9) + [d.eos()]) for i in range(40)]
+    ds = LanguagePairDataset(src, [len(s) for s in src], d)
+    ours = StreamBeamTranslationTask(StreamBeamConfig(train_subset="train", decoding=decoding), d, d)
+    stock = TranslationTask(TranslationConfig(), d, d)
+
+    def ids(task, **kw):
+        itr = task.get_batch_iterator(ds, disable_iterator_cache=True, required_batch_size_multiple=1, **kw)
+        return [sorted(b["id"].tolist()) for b in itr.next_epoch_itr(shuffle=False) if b]
+
+    for rank in (0, 1):
+        kw = dict(max_sentences=4, num_shards=2, shard_id=rank)
+        assert ids(ours, **kw) == ids(stock, **kw) != []
+    assert ids(ours, max_sentences=0) == ids(stock, max_sentences=0)
+    assert ours.budget.max_sentences == 64  # the default live budget
