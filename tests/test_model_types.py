@@ -1,7 +1,9 @@
 """Beam modes on fairseq encoder-decoders other than the transformer: LSTM, fconv, and a custom
 model whose encoder returns fairseq's legacy `EncoderOut` namedtuple (batch-first, as fairseq's own
 test models). Their state goes through the model's own reorder methods; cohorts are never merged.
-`beam` == fairseq's SequenceGenerator, var-stream == var-batch (float64), any budget."""
+`beam` == fairseq's SequenceGenerator, var-stream == var-batch (float64), any budget. Also
+transformer variants a differential fuzz found broken: adaptive softmax, learned positions up to
+the table's end, and feature inputs (refused)."""
 
 from __future__ import annotations
 
