@@ -216,10 +216,10 @@ class StreamBeamGenerator(SequenceGenerator):
         if spec.print_alignment and any(getattr(m, "full_context_alignment", False) for m in self.model.models):
             raise UsageError("--print-alignment with a full-context alignment model needs --decoding fairseq")
         self.print_alignment = spec.print_alignment  # hard | soft | None
-        # additive / masking terms applied in order before top-k (LMBR, token masks): see scorers/base.py
         if not scorers and (spec.lmbr_posteriors or spec.token_masks):  # files the task reads into scorers
             raise UsageError("StreamBeamGenerator: --lmbr-posteriors and --token-masks need scorers=; the task "
                              "builds them from the files (attach_to_hub, task.build_generator)")
+        # additive / masking terms applied in order before top-k (LMBR, token masks): see scorers/base.py
         self.scorer = ScorerStack(scorers) if scorers else None
         self.counters = Counters()
 
