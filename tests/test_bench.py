@@ -61,6 +61,26 @@ def test_ctranslate2_runs_and_matches_fairseq_on_a_real_model(tiny_run, tmp_path
     assert rows[1]["identical_to_exact_ref"] >= 0.95
 
 
+def test_fp16_decodes_half_models_and_is_recorded(tiny_run, tmp_path, monkeypatch):
+    """--fp16 halves the models every method decodes (fairseq's generator too), as
+    fairseq-generate --fp16 does; results.json records it, and beam still prints fairseq's output."""
+    import fairseq_streambeam.loader as loader
+
+    dtypes = []
+    real = loader.load_models
+
+    def spy(*a, **kw):
+        models = real(*a, **kw)
+        dtypes.extend(next(m.parameters()).dtype for m in models)
+        return models
+
+    monkeypatch.setattr(loader, "load_models", spy)
+    rows = _bench(tiny_run, tmp_path, "--methods", "fairseq,beam", "--exact-ref", "fairseq", "--fp16", "--no-plots")
+    assert [str(d) for d in dtypes] == ["torch.float16"]
+    assert rows[1]["identical_to_exact_ref"] == 1.0
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["fp16"] is True
+
+
 def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
     """iad, gad and the GAD++ sweep of configs/gad_sweep.json run through the harness and report
     accepted tokens per pass and block padding."""

@@ -26,7 +26,8 @@ from .variants import BUILTIN, Variant, load_config, parse_methods
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
                 stream_window=32, repeats=1, threads=1, limit=0, finalize="auto", finish_count=None,
                 methods="fairseq,beam,var-batch,var-stream", baseline="fairseq", exact_ref="beam", drafter=None,
-                draft_lookup=None, corpus_order=False, lmbr_lambda=None, lmbr_theta0=None, lmbr_p=0.85, lmbr_r=0.72)
+                draft_lookup=None, corpus_order=False, lmbr_lambda=None, lmbr_theta0=None, lmbr_p=0.85, lmbr_r=0.72,
+                fp16=False)
 
 
 def parse_args(argv=None):
@@ -66,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", help="block_drafter checkpoint for the gad methods (scripts/train_drafter.sh)")
     p.add_argument("--draft-lookup", help="target-side text for the gad-lookup method's n-gram table (see "
                                           "--draft-lookup of fairseq-generate)")
+    p.add_argument("--fp16", action="store_const", const=True,
+                   help="half-precision models (model.half(), as fairseq-generate --fp16); ct2 computes in float16")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="where models and batches go (auto: CUDA when torch sees a GPU)")
     p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
@@ -109,10 +112,10 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
           f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
-          f"{'cuda' if use_cuda else 'cpu'}", flush=True)
+          f"{'cuda' if use_cuda else 'cpu'}{' | fp16' if settings['fp16'] else ''}", flush=True)
 
     task = load_task(args.data, args.source_lang, args.target_lang)
-    models = load_models(task, args.path, use_cuda)
+    models = load_models(task, args.path, use_cuda, settings["fp16"])
     if args.src:
         if not args.ref:
             raise SystemExit("--src needs --ref")
@@ -134,7 +137,7 @@ def main(argv=None):
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
     if lmbr_file:
         task.lmbr_posteriors(lmbr_file)  # parsed once, before the timed repeats (the task keeps them)
-    ct2 = _ct2_translator(args, variants, threads, use_cuda)
+    ct2 = _ct2_translator(args, variants, threads, use_cuda, settings["fp16"])
     oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0, "warmup": 0.0} for v in variants}
     for v in variants:  # untimed: the first batch, where first calls, drafters' tables and compiling cost
@@ -324,7 +327,7 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
     return hyps, counters
 
 
-def _ct2_translator(args, variants, threads, use_cuda: bool):
+def _ct2_translator(args, variants, threads, use_cuda: bool, fp16: bool = False):
     """Convert the (first) checkpoint with CTranslate2's fairseq converter when ct2 is asked for."""
     if not any(v.decoding == "ct2" for v in variants):
         return None
@@ -340,7 +343,8 @@ def _ct2_translator(args, variants, threads, use_cuda: bool):
     FairseqConverter(paths[0], args.data, source_lang=args.source_lang, target_lang=args.target_lang).convert(
         str(out), force=True)
     device = "cuda" if use_cuda else "cpu"
-    return ctranslate2.Translator(str(out), device=device, inter_threads=1, intra_threads=threads)
+    return ctranslate2.Translator(str(out), device=device, inter_threads=1, intra_threads=threads,
+                                  compute_type="float16" if fp16 else "default")
 
 
 def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: bool = False):
