@@ -243,6 +243,84 @@ def step_cost(data: str, path: str, src_lang: str, tgt_lang: str, rows: Sequence
     return out
 
 
+def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int = 5, sources: int = 64,
+                  methods: Sequence[str] = ("fairseq", "beam", "var-stream"), device: str = "cuda",
+                  fp16: bool = False, top: int = 8, subset: str = "test") -> dict:
+    """Host time against device time per decoder step: one batch of `sources` test sentences of
+    about the median length (sources x beam rows), decoded by fairseq's SequenceGenerator and the
+    plugin's decodings. Per method: wall ms per step (unprofiled, after one warm-up decode), and
+    under torch.profiler the device's busy ms per step (kernel time), the host's ms per step waiting
+    in synchronizing CUDA calls, host syncs per step and the top operators by device and host time."""
+    import torch
+    from fairseq import utils
+    from fairseq.sequence_generator import SequenceGenerator
+    from torch.profiler import ProfilerActivity, profile
+
+    from fairseq_streambeam import StreamBeamGenerator
+    from fairseq_streambeam.loader import load_models, load_task
+
+    cuda = device == "cuda"
+    task = load_task(data, src_lang, tgt_lang)
+    models = load_models(task, path, cuda, fp16)
+    task.load_dataset(subset)
+    ds = task.dataset(subset)
+    order = sorted(range(len(ds)), key=lambda i: ds.src_sizes[i])
+    mid = len(order) // 2
+    picked = order[max(0, mid - sources // 2): max(0, mid - sources // 2) + sources]
+    sample = ds.collater([ds[i] for i in picked])
+    if cuda:
+        sample = utils.move_to_cuda(sample)
+    sync_calls = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+                  "cudaMemcpy")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def decode(gen) -> int:
+        """Decoder steps: the plugin's counters; fairseq's generator steps until its longest
+        finished hypothesis (EOS included) ends."""
+        before = gen.counters.decoder_steps if hasattr(gen, "counters") else 0
+        with torch.no_grad():
+            hyps = gen.generate(models, sample)
+        if cuda:
+            torch.cuda.synchronize()
+        if hasattr(gen, "counters"):
+            return gen.counters.decoder_steps - before
+        return max(len(h["tokens"]) for nbest in hyps for h in nbest)
+
+    def us(e, kind: str) -> float:  # torch renamed cuda_* to device_* timings
+        return float(getattr(e, f"self_{kind}_time_total", 0) or 0)
+
+    out = {"sources": len(picked), "beam": beam, "rows": len(picked) * beam, "fp16": fp16, "methods": {}}
+    for name in methods:
+        if name == "fairseq":
+            gen = SequenceGenerator(models, task.target_dictionary, beam_size=beam, max_len_b=200)
+        else:
+            gen = StreamBeamGenerator(models, task.target_dictionary, beam_size=beam, decoding=name, max_len_b=200)
+        decode(gen)  # warm-up: first calls, allocator, cuBLAS handles
+        t0 = time.perf_counter()
+        steps = max(decode(gen), 1)
+        wall = time.perf_counter() - t0
+        with profile(activities=activities) as prof:
+            decode(gen)
+        events = prof.key_averages()
+        device_us = sum(us(e, "device") or us(e, "cuda") for e in events)
+        syncs = [e for e in events if e.key in sync_calls]
+        by_device = sorted((e for e in events if us(e, "device") or us(e, "cuda")),
+                           key=lambda e: -(us(e, "device") or us(e, "cuda")))[:top]
+        by_host = sorted(events, key=lambda e: -us(e, "cpu"))[:top]
+        out["methods"][name] = {
+            "steps": steps, "wall_ms_per_step": round(1000 * wall / steps, 3),
+            "device_ms_per_step": round(device_us / 1000 / steps, 3),
+            "sync_wait_ms_per_step": round(sum(us(e, "cpu") for e in syncs) / 1000 / steps, 3),
+            "syncs_per_step": round(sum(e.count for e in syncs) / steps, 2),
+            "top_device": [[e.key, round((us(e, "device") or us(e, "cuda")) / 1000 / steps, 3)] for e in by_device],
+            "top_host": [[e.key, round(us(e, "cpu") / 1000 / steps, 3)] for e in by_host]}
+        m = out["methods"][name]
+        print(f"profile: {name}: {steps} steps, {m['wall_ms_per_step']} ms a step, device busy "
+              f"{m['device_ms_per_step']} ms, waiting in syncs {m['sync_wait_ms_per_step']} ms, "
+              f"{m['syncs_per_step']} syncs a step", flush=True)
+    return out
+
+
 def builtin_methods() -> set:
     """The benchmark's built-in method names, read from the checkout's
     fairseq_streambeam/bench/variants.py (standard library only) without importing the package,
@@ -338,7 +416,7 @@ def _tests_summary(work: Path) -> Optional[dict]:
 
 def summarize(work: Path, out: Path) -> dict:
     """Gather WORK's outputs (env.json, stages.tsv, tests.xml, bench-*/results.json,
-    step_cost*.json, serve/serve.json) into OUT/results.json, OUT/results.md and OUT/gpu_check.png."""
+    step_cost*.json, profile*.json, serve/serve.json) into OUT/results.json, OUT/results.md and OUT/gpu_check.png."""
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"env": _read_json(work / "env.json") or {}, "stages": _stage_status(work),
                     "tests": _tests_summary(work), "bench": {}, "step_cost": {}}
@@ -353,6 +431,10 @@ def summarize(work: Path, out: Path) -> dict:
         j = _read_json(p)
         if j is not None:
             result["step_cost"][p.stem] = j
+    for p in sorted(work.glob("profile*.json")):
+        j = _read_json(p)
+        if j is not None:
+            result.setdefault("profile", {})[p.stem] = j
     j = _read_json(work / "serve" / "serve.json")
     if j is not None:
         result["serve"] = {"meta": j.get("meta"), "rows": [{k: v for k, v in r.items() if k != "report"}
@@ -393,6 +475,17 @@ def markdown(result: dict) -> str:
         lines += [f"## {name}: one decoder step (ms) by rows", "",
                   "| rows | " + " | ".join(str(c["rows"]) for c in curve) + " |", "|---|" + "---|" * len(curve),
                   "| ms | " + " | ".join(str(c["ms_per_step"]) for c in curve) + " |", ""]
+    for name, prof in result.get("profile", {}).items():
+        lines += [f"## {name}: per decoder step, {prof['sources']} sources x beam {prof['beam']} = {prof['rows']} rows"
+                  f"{', fp16' if prof.get('fp16') else ''}", "",
+                  "| method | steps | wall ms | device busy ms | waiting in syncs ms | syncs |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {m} | {r['steps']} | {r['wall_ms_per_step']} | {r['device_ms_per_step']} | "
+                  f"{r['sync_wait_ms_per_step']} | {r['syncs_per_step']} |" for m, r in prof["methods"].items()]
+        for m, r in prof["methods"].items():
+            lines += ["", f"{m}, top operators (ms a step): device " + ", ".join(f"{k} {v}" for k, v in r["top_device"])
+                      + "; host " + ", ".join(f"{k} {v}" for k, v in r["top_host"])]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -414,6 +507,10 @@ def short_table(result: dict) -> str:
                      f"{r['identical']} of {r['lines']} identical")
     for name, curve in result.get("step_cost", {}).items():
         lines.append(f"{name}: " + ", ".join(f"{c['rows']} rows {c['ms_per_step']} ms" for c in curve))
+    for name, prof in result.get("profile", {}).items():
+        for m, r in prof["methods"].items():
+            lines.append(f"{name} {m}: {r['steps']} steps, {r['wall_ms_per_step']} ms a step, device busy "
+                         f"{r['device_ms_per_step']} ms, syncs {r['syncs_per_step']} ({r['sync_wait_ms_per_step']} ms)")
     return "\n".join(lines)
 
 
@@ -487,6 +584,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--device", default="cuda")
     s.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("profile", help="host time against device time per decoder step, by method")
+    s.add_argument("--data", required=True)
+    s.add_argument("--path", required=True)
+    s.add_argument("-s", "--source-lang", required=True)
+    s.add_argument("-t", "--target-lang", required=True)
+    s.add_argument("--beam", type=int, default=5)
+    s.add_argument("--sources", type=int, default=64)
+    s.add_argument("--methods", default="fairseq,beam,var-stream")
+    s.add_argument("--fp16", action="store_true")
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("has-method", help="exit 0 when the benchmark has this built-in method")
     s.add_argument("name")
     s = sub.add_parser("bench-config", help="a copy of a benchmark config without some of its variants")
@@ -527,6 +635,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = [int(x) for x in a.rows.split(",") if x.strip()]
         curve = step_cost(a.data, a.path, a.source_lang, a.target_lang, rows, a.prefix, a.steps, a.device)
         a.out.write_text(json.dumps(curve, indent=1))
+    elif a.cmd == "profile":
+        prof = profile_steps(a.data, a.path, a.source_lang, a.target_lang, a.beam, a.sources,
+                             [m for m in a.methods.split(",") if m], a.device, a.fp16)
+        a.out.write_text(json.dumps(prof, indent=1))
     elif a.cmd == "has-method":
         return 0 if a.name in builtin_methods() else 1
     elif a.cmd == "bench-config":

@@ -4,12 +4,12 @@
 # when fairseq is missing, records the machine, then runs the stages named by --step:
 #   tests    the CUDA tests (pytest -m cuda tests/test_cuda.py)
 #   bench    deen-tiny at beam 5 and 50 (fairseq, beam, var-batch, var-stream, and continuous / ct2
-#            when they exist), gec-tiny IAD at batch 1 and 32 against fairseq greedy, the step
+#            when they exist), the same in fp16 (identical: to fairseq fp16), gec-tiny IAD at batch 1 and 32 against fairseq greedy, the step
 #            cost of deen-tiny by rows, then deen-tiny with configs/engine_k5.json and
 #            engine_k50.json (var-batch, var-stream, continuous, both under a candidate budget C,
 #            and ct2 where it runs) on --limit and a fifth of it
-#   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh) for --drafter-minutes,
-#            then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
+#   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh, greedy distillation
+#            of --drafter-lines) for --drafter-minutes, then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
 #   compile  --compile against the same decodings without it, in one process each: deen-tiny beam
 #            and var-stream at beam 5 (and ct2 where it runs), gec-tiny IAD at batch 1 and 32
 #            against fairseq greedy; at least 3 repeats, of which the first includes compiling
@@ -17,14 +17,16 @@
 #            single (bench/serve_bench.py) at 1, 8, 32 and 128 clients over --limit lines (single: a
 #            quarter), every answer checked against offline decoding
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
-#            --big-minutes on the de-en training text, its step cost by rows, and beam 5 with
-#            fairseq, beam, var-batch, var-stream and fixed-stream
+#            --big-minutes on the de-en training text (pre-norm, fp16), its step cost by rows, host
+#            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile), beam 5 with
+#            fairseq, beam, var-batch, var-stream and fixed-stream (fp32, then fp16), and beam 50 on a
+#            fifth of --limit
 # Each stage logs to OUT/<stage>.log; OUT/results.json, OUT/results.md and OUT/gpu_check.png are
 # rewritten after every command, so a run cut off midway still returns what it measured.
 # Options: --step LIST (tests; several comma-separated) --out DIR ($OUT, else ./gpu-out)
 #   --device cuda|cpu --data DIR (gpu-data, else ../shared) --limit N (test sentences; 500; a quarter
 #   of them for batch 1, which decodes one sentence at a time)
-#   --repeats N (2) --drafter-minutes M (3) --drafter-lines N (10000) --big-minutes M (3)
+#   --repeats N (2) --drafter-minutes M (5) --drafter-lines N (40000) --big-minutes M (3)
 #   --big-vocab N (dictionary padded to N entries; 42000; 0 keeps the tiny models' 8008)
 #   --deadline S (seconds for the whole run, 570: commands are cut so the summary is written in time)
 #   --tests-k EXPR (pytest -k) --tiny (dry-run sizes: tiny models, 5 sentences, a few updates, beam 5
@@ -34,7 +36,7 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
 steps=tests; device=cuda; out="${OUT:-$here/gpu-out}"; data=""; limit=""; repeats=""; tests_k=""; tiny=0
-drafter_minutes=3; drafter_lines=10000; big_minutes=3; big_vocab=42000; deadline=570; valid_lines=500
+drafter_minutes=5; drafter_lines=40000; big_minutes=3; big_vocab=42000; deadline=570; valid_lines=500
 beams=(5 50); batches=(1 32)  # bench: deen-tiny beam sizes; gec-tiny IAD and deen-tiny GAD batch sizes
 python="${PYTHON:-python3}"
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
@@ -193,6 +195,10 @@ stage_bench() {
     bench bench "deen-k$k" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam "$k" \
       --methods "$methods" --limit "$limit"
   done
+  for k in "${beams[@]}"; do  # half precision: beam's top-1 against fairseq's generator in fp16
+    bench bench "deen-k$k-fp16" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam "$k" \
+      --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --fp16 --limit "$limit"
+  done
   for b in "${batches[@]}"; do
     bench bench "gec-iad-b$b" --data "$gec/data-bin" --path "$gec/checkpoint_best.pt" -s src -t trg --beam 1 \
       --batch-size "$b" --methods fairseq-greedy,greedy,iad --baseline fairseq-greedy --exact-ref fairseq-greedy \
@@ -232,7 +238,8 @@ stage_compile() {
 
 stage_drafter() {
   text_slice "$drafter_lines" drafter drafter || return 1
-  local dout="$work/drafter" extra=() b
+  # greedy distillation (GAD verifies against greedy output); --minutes, not the epoch cap, ends training
+  local dout="$work/drafter" extra=(--beam 1 -- --max-epoch 10000) b
   [ "$tiny" = 1 ] && extra=(--beam 2 --block-size 3 -- --arch block_drafter "${tiny_ar[@]}" --no-progress-bar)
   run drafter train-drafter env NPROC=1 THREADS=1 PYTHON="$python" bash scripts/train_drafter.sh --device "$device" \
     --model-dir "$deen" --train "$work/text/drafter" --valid "$work/text/valid" --lines 0 \
@@ -273,13 +280,16 @@ stage_big() {
   run big preprocess fairseq-preprocess --source-lang de --target-lang en --trainpref "$seg/train" \
     --srcdict "$seg/dict.de.txt" --tgtdict "$seg/dict.en.txt" --destdir "$bb" --workers 8 || return 1
   cp "$deen"/data-bin/test.de-en.* "$bb/"  # newstest2017 as binarized for deen-tiny: same first 8008 symbols
+  # pre-norm, clipped, warmed up over 1000 updates: post-norm at lr 7e-4 with 8k-token batches diverged
+  # in fp16 (loss scale at its minimum). Layer shapes, and so step costs, are the WMT'19 models'.
   local arch=(--arch transformer_wmt_en_de_big --encoder-ffn-embed-dim 8192 --decoder-ffn-embed-dim 8192
+              --encoder-normalize-before --decoder-normalize-before --clip-norm 1.0
               --stop-time-hours "$(awk "BEGIN{print $big_minutes/60}")")
   [ "$tiny" = 1 ] && arch=(--arch transformer "${tiny_ar[@]}")
   local dev=(--fp16)
   [ "$device" = cpu ] && dev=(--cpu)
   run big train fairseq-train "$bb" -s de -t en "${arch[@]}" --share-all-embeddings --optimizer adam \
-    --adam-betas '(0.9,0.98)' --lr 7e-4 --lr-scheduler inverse_sqrt --warmup-updates 400 \
+    --adam-betas '(0.9,0.98)' --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 1000 \
     --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --dropout 0.2 --max-tokens 8192 \
     --save-dir "$work/big-ckpt" --no-epoch-checkpoints --disable-validation --no-save-optimizer-state --seed 1 \
     --log-format simple --log-interval 50 --num-workers 2 "${dev[@]}"
@@ -289,8 +299,23 @@ stage_big() {
   [ "$tiny" = 1 ] && rows=1,2,4
   run big step-cost-big "${helper[@]}" step-cost --data "$bb" --path "$ckpt" \
     -s de -t en --device "$device" --rows "$rows" --out "$work/step_cost_big.json"
+  local k n sources=64 half=""
+  [ "$tiny" = 1 ] && sources=4
+  [ "$device" = cuda ] && half=fp16
+  for p in fp32 $half; do  # host against device time per step at 64 sources x beam 5 = 320 rows
+    run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
+      --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json"
+  done
   bench big big-k5 --data "$bb" --path "$ckpt" -s de -t en --beam 5 \
     --methods fairseq,beam,var-batch,var-stream,fixed-stream --limit "$limit"
+  [ "$device" = cuda ] && bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
+    --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --limit "$limit"
+  for k in "${beams[@]}"; do
+    [ "$k" -gt 5 ] || continue
+    n=$(( limit / 5 > 0 ? limit / 5 : 1 ))
+    bench big "big-k$k" --data "$bb" --path "$ckpt" -s de -t en --beam "$k" \
+      --methods fairseq,beam,var-batch,var-stream --limit "$n"
+  done
 }
 
 # ---- the run ----------------------------------------------------------------------------------

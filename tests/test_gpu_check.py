@@ -61,6 +61,8 @@ def test_dry_run_of_tests_and_bench(tmp_path):
     deen = {row["method"]: row for row in res["bench"]["deen-k5"]["rows"]}
     assert {"fairseq", "beam", "var-batch", "var-stream", "continuous"} <= set(deen)  # continuous: has-method
     assert deen["beam"]["identical_to_exact_ref"] == 1.0 and deen["fairseq"]["bleu"] == deen["beam"]["bleu"]
+    half = {row["method"]: row for row in res["bench"]["deen-k5-fp16"]["rows"]}  # model.half() on the CPU
+    assert half["beam"]["identical_to_exact_ref"] == 1.0 and half["fairseq"]["bleu"] == half["beam"]["bleu"]
     gec = {row["method"]: row for row in res["bench"]["gec-iad-b1"]["rows"]}
     assert gec["iad"]["identical_to_exact_ref"] == 1.0 and gec["iad"]["accepted_per_pass"] > 1
     assert [c["rows"] for c in res["step_cost"]["step_cost_deen"]] == [1, 2, 4]
@@ -207,12 +209,18 @@ def test_summary_survives_a_run_cut_off_midway(tmp_path):
     (work / "bench-deen-k50" / "results.json").write_text('{"rows": [')  # cut off while writing
     (work / "step_cost_deen.json").write_text(json.dumps([{"rows": 1, "ms_per_step": 1.5},
                                                           {"rows": 64, "ms_per_step": 1.9}]))
+    (work / "profile_big_fp16.json").write_text(json.dumps({
+        "sources": 64, "beam": 5, "rows": 320, "fp16": True, "methods": {"beam": {
+            "steps": 30, "wall_ms_per_step": 9.5, "device_ms_per_step": 3.1, "sync_wait_ms_per_step": 1.2,
+            "syncs_per_step": 6.0, "top_device": [["aten::mm", 1.4]], "top_host": [["aten::addmm", 2.2]]}}}))
     res = gpu_check.summarize(work, tmp_path / "out")
     assert set(res["bench"]) == {"deen-k5"} and res["tests"]["failed"] == ["tests.test_cuda::test_a"]
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| var-stream | 6.6 |" in md and "FAILED tests.test_cuda::test_a" in md and "| ms | 1.5 | 1.9 |" in md
     short = gpu_check.short_table(res)
     assert "FAILED tests pytest (exit 1)" in short and "FAILED bench deen-k50 (exit 124)" in short
+    assert "| beam | 30 | 9.5 | 3.1 | 1.2 | 6.0 |" in md and "device aten::mm 1.4; host aten::addmm 2.2" in md
+    assert "profile_big_fp16 beam: 30 steps, 9.5 ms a step, device busy 3.1 ms" in short
     assert (tmp_path / "out" / "gpu_check.png").stat().st_size > 0
 
 
