@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -243,6 +244,87 @@ def step_cost(data: str, path: str, src_lang: str, tgt_lang: str, rows: Sequence
     return out
 
 
+def _lean_step(math_, dec, x, pk, pv, ck, cv):
+    """One decoder step of `dec` through LayerMath over cached keys: log-probs [N, 1, V] in float32."""
+    import torch
+
+    y = math_(x, pk, pv, None, None, True, ck, cv, None, None, None, None, x.size(0), 0)[0]
+    if getattr(dec, "layer_norm", None) is not None:
+        y = dec.layer_norm(y)
+    return torch.log_softmax(dec.output_layer(y).float(), dim=-1)
+
+
+def lean_step_cost(path: str, data: str, src_lang: str, tgt_lang: str, rows: Sequence[int], cache: int = 16,
+                   source: int = 24, steps: int = 30, device: str = "cuda", fp16: bool = False) -> List[dict]:
+    """The plugin's decoder step (runtime.lean_layer.LayerMath, the final norm, the output projection
+    and a float32 log-softmax) for each number of rows, on random inputs of the model's shapes: a
+    self-attention cache of `cache` positions, cross-attention keys of `source` positions per row.
+    Milliseconds per step, medians of `steps`: eager (each step synchronized), and on CUDA the same
+    step captured once as a CUDA graph and replayed: the floor a static-shape step would reach
+    with no host work, against the eager step's host-bound cost."""
+    import torch
+
+    from fairseq_streambeam.loader import load_models, load_task
+    from fairseq_streambeam.runtime.lean_layer import LayerMath
+
+    task = load_task(data, src_lang, tgt_lang)
+    model = load_models(task, path, device == "cuda", fp16)[0]
+    dec = model.decoder
+    math_ = LayerMath(dec.layers)
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    d = dec.layers[0].self_attn.embed_dim
+    out = []
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(steps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return round(1000 * sorted(times)[len(times) // 2], 4)
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for n in rows:
+            def rand(*shape):
+                return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dev, dtype)
+
+            x = rand(n, 1, d)
+            shapes = [(layer.self_attn.num_heads, layer.self_attn.head_dim) for layer in dec.layers]
+            pk = [rand(n, h, cache, hd) for h, hd in shapes]
+            pv = [rand(n, h, cache, hd) for h, hd in shapes]
+            ck = [rand(n, h, source, hd) for h, hd in shapes]
+            cv = [rand(n, h, source, hd) for h, hd in shapes]
+
+            step = functools.partial(_lean_step, math_, dec, x, pk, pv, ck, cv)
+            for _ in range(3):
+                step()
+            row = {"rows": n, "eager_ms": timed(step)}
+            if dev.type == "cuda":
+                try:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(3):
+                            step()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        step()
+                    row["graph_ms"] = timed(graph.replay)
+                    del graph
+                except RuntimeError as e:  # a host sync inside the step cannot be captured
+                    row["graph_error"] = str(e).splitlines()[0][:200]
+            out.append(row)
+            print(f"lean step: {row}", flush=True)
+    return out
+
+
 def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int = 5, sources: int = 64,
                   methods: Sequence[str] = ("fairseq", "beam", "var-stream"), device: str = "cuda",
                   fp16: bool = False, top: int = 8, subset: str = "test") -> dict:
@@ -416,7 +498,8 @@ def _tests_summary(work: Path) -> Optional[dict]:
 
 def summarize(work: Path, out: Path) -> dict:
     """Gather WORK's outputs (env.json, stages.tsv, tests.xml, bench-*/results.json,
-    step_cost*.json, profile*.json, serve/serve.json) into OUT/results.json, OUT/results.md and OUT/gpu_check.png."""
+    step_cost*.json, lean_step*.json, profile*.json, serve/serve.json) into OUT/results.json,
+    OUT/results.md and OUT/gpu_check.png."""
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"env": _read_json(work / "env.json") or {}, "stages": _stage_status(work),
                     "tests": _tests_summary(work), "bench": {}, "step_cost": {}}
@@ -431,6 +514,10 @@ def summarize(work: Path, out: Path) -> dict:
         j = _read_json(p)
         if j is not None:
             result["step_cost"][p.stem] = j
+    for p in sorted(work.glob("lean_step*.json")):
+        j = _read_json(p)
+        if j is not None:
+            result.setdefault("lean_step", {})[p.stem] = j
     for p in sorted(work.glob("profile*.json")):
         j = _read_json(p)
         if j is not None:
@@ -475,6 +562,13 @@ def markdown(result: dict) -> str:
         lines += [f"## {name}: one decoder step (ms) by rows", "",
                   "| rows | " + " | ".join(str(c["rows"]) for c in curve) + " |", "|---|" + "---|" * len(curve),
                   "| ms | " + " | ".join(str(c["ms_per_step"]) for c in curve) + " |", ""]
+    for name, curve in result.get("lean_step", {}).items():
+        lines += [f"## {name}: the plugin's decoder step (ms) by rows, eager and replayed as a CUDA graph", "",
+                  "| rows | " + " | ".join(str(c["rows"]) for c in curve) + " |", "|---|" + "---|" * len(curve)]
+        for key in ("eager_ms", "graph_ms"):
+            cells = (str(c.get(key, c.get("graph_error", "-"))) for c in curve)
+            lines.append(f"| {key[:-3]} | " + " | ".join(cells) + " |")
+        lines.append("")
     for name, prof in result.get("profile", {}).items():
         lines += [f"## {name}: per decoder step, {prof['sources']} sources x beam {prof['beam']} = {prof['rows']} rows"
                   f"{', fp16' if prof.get('fp16') else ''}", "",
@@ -507,6 +601,9 @@ def short_table(result: dict) -> str:
                      f"{r['identical']} of {r['lines']} identical")
     for name, curve in result.get("step_cost", {}).items():
         lines.append(f"{name}: " + ", ".join(f"{c['rows']} rows {c['ms_per_step']} ms" for c in curve))
+    for name, curve in result.get("lean_step", {}).items():
+        lines.append(f"{name}: " + ", ".join(f"{c['rows']} rows {c['eager_ms']} ms" + (
+            f" (graph {c['graph_ms']})" if "graph_ms" in c else "") for c in curve))
     for name, prof in result.get("profile", {}).items():
         for m, r in prof["methods"].items():
             lines.append(f"{name} {m}: {r['steps']} steps, {r['wall_ms_per_step']} ms a step, device busy "
@@ -584,6 +681,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--device", default="cuda")
     s.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("lean-step-cost", help="the plugin's decoder step by rows: eager, and replayed as a CUDA graph")
+    s.add_argument("--data", required=True)
+    s.add_argument("--path", required=True)
+    s.add_argument("-s", "--source-lang", required=True)
+    s.add_argument("-t", "--target-lang", required=True)
+    s.add_argument("--rows", default="1,8,64,320,1024,3200")
+    s.add_argument("--fp16", action="store_true")
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("profile", help="host time against device time per decoder step, by method")
     s.add_argument("--data", required=True)
     s.add_argument("--path", required=True)
@@ -634,6 +740,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif a.cmd == "step-cost":
         rows = [int(x) for x in a.rows.split(",") if x.strip()]
         curve = step_cost(a.data, a.path, a.source_lang, a.target_lang, rows, a.prefix, a.steps, a.device)
+        a.out.write_text(json.dumps(curve, indent=1))
+    elif a.cmd == "lean-step-cost":
+        rows = [int(x) for x in a.rows.split(",") if x.strip()]
+        curve = lean_step_cost(a.path, a.data, a.source_lang, a.target_lang, rows, device=a.device, fp16=a.fp16)
         a.out.write_text(json.dumps(curve, indent=1))
     elif a.cmd == "profile":
         prof = profile_steps(a.data, a.path, a.source_lang, a.target_lang, a.beam, a.sources,

@@ -5,7 +5,7 @@
 #   tests    the CUDA tests (pytest -m cuda tests/test_cuda.py)
 #   bench    deen-tiny at beam 5 and 50 (fairseq, beam, var-batch, var-stream, and continuous / ct2
 #            when they exist), the same in fp16 (identical: to fairseq fp16), gec-tiny IAD at batch 1 and 32 against fairseq greedy, the step
-#            cost of deen-tiny by rows, then deen-tiny with configs/engine_k5.json and
+#            cost of deen-tiny by rows (fairseq's step; the plugin's, eager and as a CUDA graph), then deen-tiny with configs/engine_k5.json and
 #            engine_k50.json (var-batch, var-stream, continuous, both under a candidate budget C,
 #            and ct2 where it runs) on --limit and a fifth of it
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh, greedy distillation
@@ -17,7 +17,7 @@
 #            single (bench/serve_bench.py) at 1, 8, 32 and 128 clients over --limit lines (single: a
 #            quarter), every answer checked against offline decoding
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
-#            --big-minutes on the de-en training text (pre-norm, fp16), its step cost by rows, host
+#            --big-minutes on the de-en training text (pre-norm, fp16), its step costs by rows, host
 #            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile), beam 5 with
 #            fairseq, beam, var-batch, var-stream and fixed-stream (fp32, then fp16), and beam 50 on a
 #            fifth of --limit
@@ -208,6 +208,9 @@ stage_bench() {
   [ "$tiny" = 1 ] && rows=1,2,4
   run bench step-cost-deen "${helper[@]}" step-cost --data "$deen/data-bin" \
     --path "$deen/checkpoint_best.pt" -s de -t en --device "$device" --rows "$rows" --out "$work/step_cost_deen.json"
+  run bench lean-step-deen "${helper[@]}" lean-step-cost --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" \
+    -s de -t en --device "$device" --rows "$([ "$tiny" = 1 ] && echo 1,4 || echo 1,8,64,320,1024,3200)" \
+    --out "$work/lean_step_deen.json"
   # the candidate-budget configs, last: the runs above keep their time. k = 50 decodes a fifth of
   # the sentences (as docs/benchmarks.md's CPU runs: 1000 and 200), so both fit what the deadline
   # leaves; a run that does not finish in time brings back nothing but its exit status (124).
@@ -299,9 +302,13 @@ stage_big() {
   [ "$tiny" = 1 ] && rows=1,2,4
   run big step-cost-big "${helper[@]}" step-cost --data "$bb" --path "$ckpt" \
     -s de -t en --device "$device" --rows "$rows" --out "$work/step_cost_big.json"
-  local k n sources=64 half=""
-  [ "$tiny" = 1 ] && sources=4
+  local k n sources=64 half="" lean_rows=1,8,64,320,1024,3200
+  [ "$tiny" = 1 ] && sources=4 && lean_rows=1,4
   [ "$device" = cuda ] && half=fp16
+  for p in fp32 $half; do  # the plugin's step eager against a CUDA graph's replay: what host work costs
+    run big "lean-step-big-$p" "${helper[@]}" lean-step-cost --data "$bb" --path "$ckpt" -s de -t en \
+      --device "$device" --rows "$lean_rows" $([ "$p" = fp16 ] && echo --fp16) --out "$work/lean_step_big_$p.json"
+  done
   for p in fp32 $half; do  # host against device time per step at 64 sources x beam 5 = 320 rows
     run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
       --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json"

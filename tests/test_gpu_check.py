@@ -66,6 +66,8 @@ def test_dry_run_of_tests_and_bench(tmp_path):
     gec = {row["method"]: row for row in res["bench"]["gec-iad-b1"]["rows"]}
     assert gec["iad"]["identical_to_exact_ref"] == 1.0 and gec["iad"]["accepted_per_pass"] > 1
     assert [c["rows"] for c in res["step_cost"]["step_cost_deen"]] == [1, 2, 4]
+    assert [c["rows"] for c in res["lean_step"]["lean_step_deen"]] == [1, 4]  # eager only: no CUDA graphs
+    assert all(c["eager_ms"] > 0 and "graph_ms" not in c for c in res["lean_step"]["lean_step_deen"])
     engine = {row["method"]: row for row in res["bench"]["engine-k5"]["rows"]}  # ct2 left out of a dry run
     assert set(engine) == {"var-batch", "var-stream", "continuous", "var-stream[C=320]", "continuous[C=320]",
                            "continuous[C=320,longest-first]"}
@@ -209,6 +211,7 @@ def test_summary_survives_a_run_cut_off_midway(tmp_path):
     (work / "bench-deen-k50" / "results.json").write_text('{"rows": [')  # cut off while writing
     (work / "step_cost_deen.json").write_text(json.dumps([{"rows": 1, "ms_per_step": 1.5},
                                                           {"rows": 64, "ms_per_step": 1.9}]))
+    (work / "lean_step_big_fp16.json").write_text(json.dumps([{"rows": 320, "eager_ms": 6.1, "graph_ms": 1.2}]))
     (work / "profile_big_fp16.json").write_text(json.dumps({
         "sources": 64, "beam": 5, "rows": 320, "fp16": True, "methods": {"beam": {
             "steps": 30, "wall_ms_per_step": 9.5, "device_ms_per_step": 3.1, "sync_wait_ms_per_step": 1.2,
@@ -221,6 +224,7 @@ def test_summary_survives_a_run_cut_off_midway(tmp_path):
     assert "FAILED tests pytest (exit 1)" in short and "FAILED bench deen-k50 (exit 124)" in short
     assert "| beam | 30 | 9.5 | 3.1 | 1.2 | 6.0 |" in md and "device aten::mm 1.4; host aten::addmm 2.2" in md
     assert "profile_big_fp16 beam: 30 steps, 9.5 ms a step, device busy 3.1 ms" in short
+    assert "| eager | 6.1 |" in md and "| graph | 1.2 |" in md and "320 rows 6.1 ms (graph 1.2)" in short
     assert (tmp_path / "out" / "gpu_check.png").stat().st_size > 0
 
 
