@@ -43,7 +43,8 @@ _ADDITIVE = {f.name for f in fields(Counters)} - {"trace"}
 
 
 def check_args(args) -> None:
-    """frontend.check_model_options, this command's own counts, and that the inputs exist."""
+    """frontend.check_model_options, this command's own counts, that the inputs exist, the
+    worker's rank (worker_identity), and that the output folder can be made (it is made)."""
     check_model_options(args, ("shard_lines", "batch_size", "max_tokens", "threads"))
     for path in args.input:
         problem = file_problem("--input", path)
@@ -51,6 +52,11 @@ def check_args(args) -> None:
             raise UsageError(problem)
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output-dir {args.output_dir}: not a directory")
+    worker_identity()
+    try:  # the last check: a folder is made only for a command that passed the others
+        os.makedirs(os.path.join(args.output_dir, "shards"), exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--output-dir {args.output_dir}: cannot create it ({e.strerror})") from None
 
 
 def parse_args(argv=None):
@@ -157,13 +163,30 @@ def shard_done(shard_dir: Path, sid: int, rng: Tuple[int, int], key: Optional[st
             and rec.get("checksum") == checksum(out_path.read_text(encoding="utf-8")))
 
 
-def worker_identity() -> Tuple[int, int]:
-    """(rank, world) from torchrun (RANK/WORLD_SIZE) or a Slurm array; (0, 1) otherwise."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
-    if "SLURM_ARRAY_TASK_COUNT" in os.environ:
-        first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0))
-        return int(os.environ["SLURM_ARRAY_TASK_ID"]) - first, int(os.environ["SLURM_ARRAY_TASK_COUNT"])
+def worker_identity(env=os.environ) -> Tuple[int, int]:
+    """(rank, world) from torchrun (RANK/WORLD_SIZE) or a Slurm array; (0, 1) otherwise. A Slurm
+    array must be one evenly stepped range (0-7, 0-14:2): of a list such as 3,5 (failed tasks
+    re-submitted) the tasks would split the shards among themselves and leave the others to nobody."""
+    def number(name: str, default: Optional[str] = None) -> int:
+        try:
+            return int(env.get(name, default))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UsageError(f"{name}={env.get(name)!r} is not a whole number") from None
+
+    if "WORLD_SIZE" in env:
+        rank, world = number("RANK", "0"), number("WORLD_SIZE")
+        if not 0 <= rank < world:
+            raise UsageError(f"RANK={rank} and WORLD_SIZE={world}: need 0 <= RANK < WORLD_SIZE")
+        return rank, world
+    if "SLURM_ARRAY_TASK_COUNT" in env:
+        task, count = number("SLURM_ARRAY_TASK_ID"), number("SLURM_ARRAY_TASK_COUNT")
+        first, last = number("SLURM_ARRAY_TASK_MIN", "0"), number("SLURM_ARRAY_TASK_MAX", str(task))
+        step = number("SLURM_ARRAY_TASK_STEP", "1")
+        if step < 1 or (last - first) // step + 1 != count or (task - first) % step:
+            raise UsageError(f"Slurm array {first}-{last} (step {step}) has {count} tasks: not one stepped range, "
+                             "so its tasks cannot share the shards; submit the whole array again (shards already "
+                             "done are skipped) or set RANK and WORLD_SIZE")
+        return (task - first) // step, count
     return 0, 1
 
 

@@ -12,7 +12,8 @@ import pytest
 from helpers import BIN, run_cli
 
 from fairseq_streambeam.decode_corpus import main as decode_main
-from fairseq_streambeam.decode_corpus import read_lines, shard_ranges
+from fairseq_streambeam.decode_corpus import read_lines, shard_ranges, worker_identity
+from fairseq_streambeam.spec import UsageError
 
 EXTRA = [b"w1 \xff\xfe w2", b"", b" ".join([b"w3"] * 1100)]  # invalid UTF-8, empty, over 1024 positions
 
@@ -262,6 +263,36 @@ def test_mistakes_found_late_are_one_line_too(tiny_run, tmp_path, capsys):
     rc = decode_main([*_tiny_args(tiny_run, tmp_path / "out"), *short])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("streambeam-decode-corpus: error: --min-len 4 exceeds"), err[-3:]
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, (0, 1)),
+    ({"WORLD_SIZE": "4", "RANK": "3"}, (3, 4)),
+    ({"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "0",
+      "SLURM_ARRAY_TASK_MAX": "7"}, (5, 8)),
+    ({"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_MIN": "0",
+      "SLURM_ARRAY_TASK_MAX": "14", "SLURM_ARRAY_TASK_STEP": "2"}, (3, 8)),  # --array=0-14:2
+    ({"SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "3",
+      "SLURM_ARRAY_TASK_MAX": "5"}, "not one stepped range"),  # --array=3,5: shards 1, 3, 5... left to nobody
+    ({"WORLD_SIZE": "1", "RANK": "1"}, "need 0 <= RANK < WORLD_SIZE"),  # decoded nothing
+    ({"WORLD_SIZE": "0"}, "need 0 <= RANK < WORLD_SIZE"),  # ZeroDivisionError
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),
+])
+def test_worker_identity_covers_every_shard_or_refuses(env, expected):
+    """Every shard belongs to exactly one worker: ranks 0..world-1, or a one-line error."""
+    if isinstance(expected, tuple):
+        assert worker_identity(env) == expected
+    else:
+        with pytest.raises(UsageError, match=expected):
+            worker_identity(env)
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(tiny_run, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        decode_main(_tiny_args(tiny_run, tmp_path / "afile" / "sub"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "--output-dir" in err[0] and "cannot create it" in err[0]
 
 
 def test_generation_options_reach_the_spec(tiny_run, tmp_path):
