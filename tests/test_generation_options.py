@@ -345,3 +345,23 @@ def test_match_source_len_deen_tiny_matches_fairseq_per_source():
     for hypos, i in zip(got, s["id"].tolist()):
         ref = match_source_len_generator(models, d, **kw).generate(models, ds.collater([ds[i]]))
         assert_same_hypos(ref, [hypos])
+
+
+@pytest.mark.parametrize("decoding", ["beam", "var-stream", "iad"])
+def test_an_extreme_lenpen_gives_scores_instead_of_an_overflow(decoding):
+    """n ** 400 overflows a Python float for n >= 6 (fairseq raises OverflowError, and a server's
+    whole batch failed with it): the normalizer is inf there, so such hypotheses score -0.0. Below
+    the overflow the scores are the normalized ones."""
+    m = random_transformer(D, 3)
+    s = make_sample(D, random_sentences(D, 4, 5, max_len=8))
+    kw = dict(max_len_b=12, min_len=7, len_penalty=400.0)
+    if decoding == "iad":
+        from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+
+        hyps = AggressiveGenerator([m], D, decoding="iad", beam_size=1, **kw).generate([m], s)
+    else:
+        hyps, _ = ours([m], D, s, decoding=decoding, beam_size=3, **kw)
+    for nbest in hyps:
+        for h in nbest:
+            n = len(h["tokens"])
+            assert n >= 7 and h["score"].item() == 0.0 and math.copysign(1, h["score"].item()) == -1.0

@@ -33,7 +33,7 @@ from ..runtime.lean_encoder import forward_encoder
 from ..runtime.lean_layer import Slots
 from ..runtime.rows import Rows
 from ..runtime.scheduler import Budget, Scheduler
-from ..search.penalties import FairseqPenalties
+from ..search.penalties import FairseqPenalties, length_norm
 from ..spec import DecodeSpec, UsageError
 from .common import Sources, family_spec, hypothesis, sequence_generator_args, to_host
 
@@ -389,5 +389,5 @@ class AggressiveGenerator(SequenceGenerator):
     def _hypo(self, out: List[int], lp: List[float], dev) -> Dict[str, Tensor]:
         pos = torch.tensor(lp, dtype=torch.float32, device=dev)  # on the model's device, as fairseq's output
         total = pos.sum()
-        score = total / (len(out) ** self.len_penalty) if self.normalize_scores else total
+        score = total / length_norm(len(out), self.len_penalty) if self.normalize_scores else total
         return hypothesis(torch.tensor(out, device=dev), score, pos)

@@ -37,7 +37,7 @@ from ..runtime.scheduler import RAGGED, Budget, Scheduler
 from ..scorers.base import ScorerStack
 from ..search.beam_state import Beams, rank_candidates
 from ..search.finalize import Ranked, build_finalize
-from ..search.penalties import FairseqPenalties
+from ..search.penalties import FairseqPenalties, length_norm
 from ..spec import DecodeSpec, UsageError
 from .common import Sources, empty_hypothesis, family_spec, hypothesis, sequence_generator_args, to_host
 
@@ -521,7 +521,7 @@ class StreamBeamGenerator(SequenceGenerator):
         start = b.tokens.size(1) - 1 - s.steps.h[src_of]  # 0 unless ragged (right-aligned rows)
         score = raw
         if self.normalize_scores:
-            score = raw / torch.tensor([float(n) ** self.len_penalty for n in lens], dtype=raw.dtype, device=dev)
+            score = raw / torch.tensor([length_norm(n, self.len_penalty) for n in lens], dtype=raw.dtype, device=dev)
         for j, src in enumerate(src_of):
             n, s0 = int(lens[j]), int(start[j])
             yield s.ids[src], hypothesis(

@@ -103,3 +103,13 @@ def source_max_len(src_len_with_eos: int, max_len_a: float, max_len_b: int, mode
     """fairseq's limit min(a*x + b, max_positions - 1), with x this source's own length including
     EOS (fairseq uses the padded batch width, which makes output depend on the batch when a != 0)."""
     return int(min(max_len_a * src_len_with_eos + max_len_b, model_max - 1))  # no int() of a huge float
+
+
+def length_norm(n: int, len_penalty: float) -> float:
+    """fairseq's length normalizer n ** lenpen for a hypothesis of n tokens (EOS included), as a
+    Python float; inf where that float overflows (fairseq raises OverflowError there), so an
+    extreme lenpen gives a score of -0.0 instead of failing the whole batch."""
+    try:
+        return float(n) ** len_penalty
+    except OverflowError:
+        return math.inf
