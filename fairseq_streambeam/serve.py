@@ -446,6 +446,8 @@ class Server:
             raise Refused(400, "request body is not UTF-8") from None
         except json.JSONDecodeError as e:
             raise Refused(400, f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except ValueError as e:  # valid JSON that Python refuses, e.g. an integer of over 4300 digits
+            raise Refused(400, f"invalid JSON: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict) or "text" not in data:
             raise Refused(400, 'expected a JSON object with "text": a string or a list of strings')
         unknown = sorted(set(data) - {"text", *REQUEST_OPTIONS})
@@ -465,6 +467,10 @@ class Server:
         for i, t in enumerate(texts):
             if not t.strip():
                 raise Refused(400, f"sentence {i + 1} is empty")
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:  # JSON's escapes can spell a lone surrogate, which is no character
+                raise Refused(400, f"sentence {i + 1} is not valid Unicode (a lone surrogate)") from None
             ids = self.model.codec.encode(t).tolist()
             if len(ids) > limit:
                 raise Refused(413, f"sentence {i + 1} has {len(ids)} tokens; the limit is {limit}")
@@ -495,6 +501,9 @@ class Server:
         beam = changes.get("beam_size", self.loop.base_spec.beam_size)
         if beam > self.args.max_beam:
             raise Refused(400, f'"beam" {beam} is above the server\'s limit {self.args.max_beam} (--max-beam)')
+        z = self.loop.base_spec.finish_count
+        if z is not None and z > beam:  # the server's --finish-count (var-*), capped by a smaller request beam
+            changes["finish_count"] = beam
         if not changes:
             return self.loop.base_spec
         try:

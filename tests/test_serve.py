@@ -68,7 +68,7 @@ class Served:
 @pytest.fixture(scope="module")
 def server():
     s = Served("--batch-size", "4", "--max-queue", "10", "--max-sentences-per-request", "12", "--max-beam", "4",
-               "--max-lanes", "2", "--max-request-bytes", "4096", "--max-tokens-per-sentence", "100")
+               "--max-lanes", "2", "--max-request-bytes", "8192", "--max-tokens-per-sentence", "100")
     yield s
     assert s.stop() == 0
     # the last line counts the sentences of every lane (the requests with options of their own too)
@@ -217,7 +217,9 @@ def test_alignments_equal_offline(server):
     ({"text": "Hallo", "nbest": 3, "beam": 2}, 400, '"nbest"'),
     ({"text": "Hallo", "alignment": True}, 400, '"alignment" must be one of'),
     ({"text": ["Hallo"] * 13}, 413, "13 sentences in one request; the limit is 12"),
-    ({"text": "Hallo " * 800}, 413, "request body over 4096 bytes"),
+    ({"text": "Hallo " * 1500}, 413, "request body over 8192 bytes"),
+    (b'{"text": "Hallo", "beam": ' + b"1" * 4400 + b"}", 400, "invalid JSON: Exceeds the limit"),  # valid JSON
+    (b'{"text": "Hallo \\ud800"}', 400, "sentence 1 is not valid Unicode"),
     ({"text": "Hallo " * 150}, 413, "tokens; the limit is 100"),
     ({"text": ["Hallo"] * 11}, 429, "queue full"),
     ({"text": "Hallo", "max_len_a": 0.1, "max_len_b": 0}, 400, "sentence 1: --min-len 1 exceeds"),
@@ -349,3 +351,18 @@ def test_a_failed_step_answers_its_requests_with_500():
     assert loop.inflight == 0 and not loop.thread.is_alive()
     assert loop.lanes["spec"].rows == 0  # the server's own lane, open again and empty
     assert loop.counters().decoder_steps == 6  # the failed lane's counts are kept
+
+
+def test_a_servers_finish_count_is_capped_by_a_smaller_request_beam():
+    """A server started with calibrate's --finish-count 5 and --max-beam 8: a request for beam 3
+    decodes as offline --beam 3 --finish-count 3, where it was refused (finish count above beam)."""
+    from types import SimpleNamespace
+
+    from fairseq_streambeam.serve import Server
+    from fairseq_streambeam.spec import DecodeSpec
+
+    base = DecodeSpec(decoding="var-stream", beam_size=5, finish_count=5)
+    fake = SimpleNamespace(loop=SimpleNamespace(base_spec=base), args=SimpleNamespace(max_beam=8))
+    assert Server._spec(fake, {"text": "x", "beam": 3}).finish_count == 3
+    assert Server._spec(fake, {"text": "x", "beam": 7}).finish_count == 5
+    assert Server._spec(fake, {"text": "x", "lenpen": 0.5}).finish_count == 5
