@@ -26,6 +26,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -595,7 +596,12 @@ async def serve(args: argparse.Namespace, model, ready=None) -> None:
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # taken since listen_problem looked
+        await runner.cleanup()
+        loop.stop()
+        raise UsageError(listen_problem(args.host, args.port, e)) from None
     port = runner.addresses[0][1]
     print(f"streambeam-serve: --decoding {spec.decoding} --beam {spec.beam_size} on http://{args.host}:{port} "
           f"({'cuda' if model.cuda else 'cpu'}, {args.batching} batching, budget {args.batch_size} sentences)",
@@ -618,6 +624,17 @@ async def serve(args: argparse.Namespace, model, ready=None) -> None:
           f"sentences; all lanes: {loop.counters().summary()}", flush=True)
 
 
+def listen_problem(host: str, port: int, error: Optional[OSError] = None) -> Optional[str]:
+    """Why the server could not listen on host:port (a port in use, an unknown host), or None."""
+    if error is None:
+        try:
+            with socket.create_server((host, port)):
+                return None
+        except OSError as e:
+            error = e
+    return f"cannot listen on {host}:{port}: {error.strerror or error}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -629,7 +646,14 @@ def main(argv=None) -> int:
     except SystemExit as e:
         print(f"streambeam-serve: error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(serve(args, load_model(args, cuda)))
+    try:
+        problem = listen_problem(args.host, args.port)  # before the model loads
+        if problem:
+            raise UsageError(problem)
+        asyncio.run(serve(args, load_model(args, cuda)))
+    except UsageError as e:
+        print(f"streambeam-serve: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

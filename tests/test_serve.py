@@ -16,7 +16,7 @@ import time
 from typing import List, Optional
 
 import pytest
-from helpers import BIN, shared_path
+from helpers import BIN, run_cli, shared_path
 
 aiohttp = pytest.importorskip("aiohttp")
 
@@ -366,3 +366,17 @@ def test_a_servers_finish_count_is_capped_by_a_smaller_request_beam():
     assert Server._spec(fake, {"text": "x", "beam": 3}).finish_count == 3
     assert Server._spec(fake, {"text": "x", "beam": 7}).finish_count == 5
     assert Server._spec(fake, {"text": "x", "lenpen": 0.5}).finish_count == 5
+
+
+def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads():
+    """A port in use or an unknown --host: one line and status 2 (it was a traceback after loading)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        for extra, message in ((["--port", port], f"cannot listen on 127.0.0.1:{port}"),
+                               (["--host", "no-such-host.invalid", "--port", "0"], "cannot listen on no-such-host")):
+            r = run_cli([str(BIN / "streambeam-serve"), *_model_args(), "--device", "cpu", *extra], timeout=120)
+            err = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(err) == 1 and message in err[0], r.stderr[-2000:]
+            assert "Traceback" not in r.stderr and "streambeam-serve: --decoding" not in r.stdout
