@@ -15,6 +15,7 @@ import os
 import time
 import warnings
 
+import numpy as np
 import torch
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationTask
@@ -33,6 +34,26 @@ from .scorers.masks import TokenMaskScorer, load_masks
 from .spec import DecodeSpec, UsageError, check_files, from_cli
 
 logger = logging.getLogger("fairseq_streambeam")
+
+
+def max_tokens_problem(dataset, max_tokens, max_positions) -> str | None:
+    """Why `max_tokens` cannot batch `dataset`: a sentence (source or reference) that fairseq's
+    size filter keeps is longer than it. fairseq's batch_by_size asserts deep in its Cython there,
+    and streaming windows, whose limit is max_tokens times the window, decoded such a sentence."""
+    if max_tokens is None:
+        return None
+    try:
+        indices = np.arange(len(dataset), dtype=np.int64)
+        if max_positions is not None:
+            indices, _ = dataset.filter_indices_by_size(indices, max_positions)
+        sizes = np.asarray(dataset.num_tokens_vec(indices))
+    except NotImplementedError:  # a dataset without vectorized sizes: fairseq's own check stands
+        return None
+    if not len(sizes) or sizes.max() <= max_tokens:
+        return None
+    i = int(np.argmax(sizes))
+    return (f"--max-tokens {max_tokens} is below the {sizes[i]} tokens of sentence {indices[i]} (source or "
+            f"reference): raise --max-tokens")
 
 
 @register_task("streambeam_translation", dataclass=StreamBeamConfig)
@@ -61,9 +82,13 @@ class StreamBeamTranslationTask(TranslationTask):
         fairseq's batch_by_size silently drops a last batch that is not a multiple of it (fairseq
         issues #5036, #5351); and streaming decodings get windows of `stream_window` batches, unless
         the set is split across workers (`num_shards`), which fairseq does by whole batches: each
-        worker then decodes the sentences stock fairseq gives it. A limit of 0 or less is none."""
+        worker then decodes the sentences stock fairseq gives it. A limit of 0 or less is none; a
+        sentence longer than max_tokens is a UsageError (max_tokens_problem)."""
         max_tokens = max_tokens if max_tokens is not None and max_tokens > 0 else None
         max_sentences = max_sentences if max_sentences is not None and max_sentences > 0 else None
+        problem = max_tokens_problem(dataset, max_tokens, max_positions)
+        if problem:
+            raise UsageError(problem)
         self.budget = Budget(max_sentences, max_tokens, self.spec.stream_candidates)
         if self.spec.kind.streaming and kwargs.get("num_shards", 1) == 1:
             w = self.spec.stream_window

@@ -73,6 +73,16 @@ def test_contradictory_flags_are_rejected(tiny_run):
         assert len(errors) == 1 and text in errors[0], r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("decoding", ["beam", "var-stream", "iad", "fairseq"])
+def test_max_tokens_below_a_sentence_is_one_line(tiny_run, decoding):
+    """fairseq's batching asserts in Cython (a traceback), and streaming windows scaled the limit past
+    the sentence and decoded it: every decoding now stops in one line naming the sentence."""
+    r = generate(tiny_run, "--decoding", decoding, "--beam", "1" if decoding == "iad" else "3", "--max-tokens", "3")
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and "--max-tokens 3 is below the" in errors[0], r.stderr[-2000:]
+
+
 def test_fairseq_interactive(tiny_run):
     data, ckpt = tiny_run
     r = _run([str(BIN / "fairseq-interactive"), str(data), "--user-dir", str(REPO / "fairseq_streambeam"),
