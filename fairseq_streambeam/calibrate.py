@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .spec import DECODINGS, PAPER_DELTA, PAPER_M
+from .spec import DECODINGS, PAPER_DELTA, PAPER_M, UsageError
 
 Prune = Tuple[float, int, int]  # (delta, M, finish count)
 Weights = Tuple[float, float, float]  # LMBR (alpha, lambda, Theta0)
@@ -261,8 +261,17 @@ def check_args(a: argparse.Namespace) -> None:
             raise CalibrationError(f"{name}: {bad[0]:g} is out of range")
     if a.tolerance < 0:
         raise CalibrationError(f"--tolerance must be >= 0, got {a.tolerance:g}")
+    for name in ("threads", "limit", "test_limit", "batch_size", "max_tokens", "rounds"):
+        value, least = getattr(a, name), 0 if name in ("limit", "test_limit") else 1
+        if value is not None and value < least:
+            raise CalibrationError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if not os.path.isdir(a.data):
         raise CalibrationError(f"--data {a.data}: no such directory")
+    for lang in (a.source_lang, a.target_lang):
+        if not os.path.isfile(os.path.join(a.data, f"dict.{lang}.txt")):
+            raise CalibrationError(f"--data {a.data}: no dict.{lang}.txt there")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise CalibrationError(f"--out {a.out}: not a directory")
     if a.src and not a.ref:
         raise CalibrationError("--src needs --ref: calibration scores BLEU against a reference")
     for name, path in [("--path", ckpt) for ckpt in a.path.split(":")] + [("--src", a.src), ("--ref", a.ref)]:
@@ -553,11 +562,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(a.threads)
         print(f"threads: torch={torch.get_num_threads()} (set explicitly)", flush=True)
         cal = Calibrator(a)
-    except CalibrationError as e:
+        print(f"dev: {len(cal.dev.dataset)} sentences; decodes in the cache: {len(cal.cache)}", flush=True)
+        base, chosen, seen = calibrate(cal)
+    except (CalibrationError, UsageError) as e:  # UsageError: the decoding's, e.g. --max-tokens below a line
         print(f"streambeam-calibrate: error: {e}", file=sys.stderr)
         return 2
-    print(f"dev: {len(cal.dev.dataset)} sentences; decodes in the cache: {len(cal.cache)}", flush=True)
-    base, chosen, seen = calibrate(cal)
     table = write_outputs(cal, base, chosen, seen)
     print("\n" + table)
     minutes = (time.perf_counter() - t0) / 60
