@@ -273,3 +273,28 @@ def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decodi
         assert ids(ours, **kw) == ids(stock, **kw) != []
     assert ids(ours, max_sentences=0) == ids(stock, max_sentences=0)
     assert ours.budget.max_sentences == 64  # the default live budget
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--methods", "nosuch"], "--methods: unknown method 'nosuch'"),
+    (["--config", "{tmp}/none.json"], "--config {tmp}/none.json: No such file or directory"),
+    (["--config", "{tmp}/bad.json"], "--config {tmp}/bad.json: Expecting property name"),
+    (["--path", "{tmp}/none.pt"], "--path {tmp}/none.pt: no such checkpoint"),
+    (["--gen-subset", "nosuch"], "--gen-subset nosuch: Dataset not found"),
+])
+def test_usage_mistakes_are_one_line(tiny_run, tmp_path, extra, message):
+    """Each was a traceback (ValueError, FileNotFoundError, OSError from fairseq's loader)."""
+    (tmp_path / "bad.json").write_text("{beam: 5}")
+    extra = [x.format(tmp=tmp_path) for x in extra]
+    with pytest.raises(SystemExit) as e:
+        _bench(tiny_run, tmp_path / "out", "--methods", "beam", *extra)
+    assert str(e.value).startswith(message.format(tmp=tmp_path)) and "\n" not in str(e.value)
+
+
+def test_an_option_a_decoding_refuses_is_one_line_from_the_command(tiny_run, tmp_path):
+    data, ckpt = tiny_run
+    r = run_cli([str(BIN / "python"), "-m", "fairseq_streambeam.bench", "--data", str(data), "--path", str(ckpt),
+                 "-s", "src", "-t", "tgt", "--out", str(tmp_path), "--quiet", "--limit", "2", "--methods", "beam",
+                 "--beam", "0"], cwd=REPO)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "python -m fairseq_streambeam.bench: error: --beam must be >= 1, got 0"

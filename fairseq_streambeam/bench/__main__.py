@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 from fairseq import utils
 
-from ..spec import DECODINGS, DecodeSpec
+from ..spec import DECODINGS, DecodeSpec, UsageError
 from .data import add_input_args
 from .variants import BUILTIN, Variant, load_config, parse_methods
 
@@ -79,7 +79,12 @@ def parse_args(argv=None):
 
 def resolve(args):
     """Settings: command line over config file over DEFAULTS; variants likewise."""
-    config, variants = load_config(args.config) if args.config else ({}, [])
+    try:
+        config, variants = load_config(args.config) if args.config else ({}, [])
+    except OSError as e:
+        raise SystemExit(f"--config {args.config}: {e.strerror}") from None
+    except ValueError as e:  # not JSON, or a variant that does not exist
+        raise SystemExit(f"--config {args.config}: {e}") from None
     settings = {}
     for key, default in DEFAULTS.items():
         cli = getattr(args, key, None)
@@ -88,7 +93,10 @@ def resolve(args):
     if unknown:
         raise SystemExit(f"{args.config}: unknown settings {sorted(unknown)}")
     if args.methods or not variants:
-        variants = parse_methods(settings["methods"])
+        try:
+            variants = parse_methods(settings["methods"])
+        except ValueError as e:
+            raise SystemExit(f"--methods: {e}") from None
     return settings, variants
 
 
@@ -114,6 +122,9 @@ def main(argv=None):
           f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
           f"{'cuda' if use_cuda else 'cpu'}{' | fp16' if settings['fp16'] else ''}", flush=True)
 
+    for path in args.path.split(":"):
+        if not os.path.isfile(path):
+            raise SystemExit(f"--path {path}: no such checkpoint")
     task = load_task(args.data, args.source_lang, args.target_lang)
     models = load_models(task, args.path, use_cuda, settings["fp16"])
     if args.src:
@@ -122,7 +133,10 @@ def main(argv=None):
         ts = bench_data.from_raw(task, args.src, args.ref, settings["limit"], args.tokenizer, args.bpe,
                                  args.bpe_codes, args.sentencepiece_model)
     else:
-        ts = bench_data.from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
+        try:
+            ts = bench_data.from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
+        except FileNotFoundError as e:  # fairseq: "Dataset not found: SPLIT (DIR)"
+            raise SystemExit(f"--gen-subset {args.gen_subset}: {e}") from None
     n = len(ts.dataset)
     order = "corpus order" if settings["corpus_order"] else "length-sorted"
     z = settings["finish_count"] or "k"
@@ -368,4 +382,7 @@ def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: 
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:  # a decoding's option out of range (--beam 0), found when its spec is built
+        sys.exit(f"python -m fairseq_streambeam.bench: error: {e}")
