@@ -96,6 +96,23 @@ def test_beam_equals_fairseq(dtype):
     assert_same_hypos(fairseq_generate(models, D, s, **KW), ours(models, D, s, **KW)[0], atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_generator_decodes_models_converted_after_it_was_built(dtype):
+    """fairseq-generate converts the models before it builds the generator; Python code may convert
+    them after. A generator built on float32 models then crashed (its cached sinusoidal position
+    table stayed float32) or kept its lean float32 step; it now takes fairseq's step in half again."""
+    from fairseq_streambeam import StreamBeamGenerator
+
+    m = random_transformer(D, 0)
+    s = make_sample(D, random_sentences(D, 12, 10))
+    beam, iad = StreamBeamGenerator([m], D, **KW), AggressiveGenerator([m], D, max_len_b=20)
+    beam.generate([m], s)
+    iad.generate([m], s)
+    m.to(dtype)
+    assert_same_hypos(fairseq_generate([m], D, s, **KW), beam.generate([m], s), atol=0.0)
+    assert same_top1(fairseq_generate([m], D, s, beam_size=1, max_len_b=20), iad.generate([m], s)) >= 11  # 12/12
+
+
 # measured top-1 agreement on these 72 sentences (2 threads), var-stream with the min-length and the
 # continuous order: float16 70/72 and 72/72, bfloat16 68/72 and 69/72
 STREAM_MIN = {torch.float16: 68, torch.bfloat16: 65}

@@ -201,9 +201,9 @@ class StreamBeamGenerator(SequenceGenerator):
         # variable-width beams multiply by transposed weights (fixed beams equal fairseq's bit for bit)
         blocks = ([BlockDecoder(m.decoder, spec.compile, transposed=not self.pruning.is_fixed)
                    for m in self.model.models] if block_steps(self.model) else [])
-        self.lean_steps = (bool(blocks) and all(b.lean for b in blocks) and spec.print_alignment is None
-                           and all(_full_precision(m) for m in self.model.models))
-        self.blocks = blocks if policy in RAGGED or self.lean_steps else []
+        self._steps = (blocks, policy in RAGGED, bool(blocks) and all(b.lean for b in blocks)
+                       and spec.print_alignment is None)
+        self._choose_steps()
         budget = budget or Budget(max_candidates=spec.stream_candidates)  # the task gives its run's budget
         self.scheduler = Scheduler(policy, budget, spec.refill_eps, spec.max_wait_steps)
         self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
@@ -224,6 +224,13 @@ class StreamBeamGenerator(SequenceGenerator):
         self.counters = Counters()
 
     @torch.no_grad()
+    def _choose_steps(self) -> None:
+        """Lean block steps where the layers allow them and the models are in full precision; the
+        block step for rows at different steps (ragged orders) or lean steps; else fairseq's step."""
+        blocks, ragged, lean = self._steps
+        self.lean_steps = lean and all(_full_precision(m) for m in self.model.models)
+        self.blocks = blocks if ragged or self.lean_steps else []
+
     def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
                   constraints: Optional[Tensor] = None, bos_token: Optional[int] = None):
         if constraints is not None:
@@ -232,6 +239,7 @@ class StreamBeamGenerator(SequenceGenerator):
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self)
         n_src, lengths = len(srcs), srcs.lengths
+        self._choose_steps()  # the models may have been converted (model.half()) since the last call
         for block in self.blocks:
             block.start_call(n_src)
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]

@@ -96,7 +96,8 @@ class BlockDecoder:
         if torch.is_grad_enabled():
             return _probe_positions(dec, length, device)
         weight = getattr(emb, "weight", None)
-        version = None if weight is None else (weight.data_ptr(), weight._version)
+        # learned positions change with their weight; sinusoidal ones with the model's dtype (model.half())
+        version = (dec.embed_tokens.weight.dtype, None if weight is None else (weight.data_ptr(), weight._version))
         table = self._table
         if table is None or self._version != version or table.size(0) < length or table.device != torch.device(device):
             size = length if table is None else max(length, min(2 * table.size(0), dec.max_positions()))
