@@ -47,7 +47,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--fp16", action="store_true", help="half-precision models (on CUDA); scores stay float32")
+    p.add_argument("--fp16", action="store_true", help="half-precision models (model.half(), as fairseq-generate "
+                   "--fp16, which does so on a CPU too); scores stay float32")
 
 
 def check_model_options(args: argparse.Namespace, positive=("batch_size", "max_tokens", "threads")) -> None:
@@ -79,7 +80,7 @@ class LoadedModel:
 
 def load_model(args: argparse.Namespace, cuda: bool) -> LoadedModel:
     """The task with the plugin's options of `args`, its text codec and the checkpoints (checked
-    options: check_model_options), on CUDA if `cuda`, in half precision if --fp16 there."""
+    options: check_model_options), on CUDA if `cuda`, in half precision if --fp16."""
     import torch
 
     from .loader import load_models, load_task
@@ -89,7 +90,7 @@ def load_model(args: argparse.Namespace, cuda: bool) -> LoadedModel:
     task = load_task(args.data, args.source_lang, args.target_lang,
                      **{f.name: getattr(args, f.name) for f in plugin_fields()})
     codec = TextCodec(task, args.tokenizer, args.bpe, args.bpe_codes, args.sentencepiece_model)
-    return LoadedModel(task, codec, load_models(task, args.path, cuda, args.fp16 and cuda), cuda)
+    return LoadedModel(task, codec, load_models(task, args.path, cuda, args.fp16), cuda)
 
 
 def add_generation_options(p) -> None:

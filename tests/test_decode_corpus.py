@@ -360,3 +360,21 @@ def test_token_masks_key_corpus_lines_across_shards(tiny_run, tmp_path):
     assert decode_main(args) == 0
     lines = (tmp_path / "out" / "output.txt").read_text(encoding="utf-8").split("\n")[:-1]
     assert [i for i, line in enumerate(lines) if not line] == [0]
+
+
+def test_fp16_halves_the_models_on_a_cpu_too(tiny_run, tmp_path, monkeypatch):
+    """--fp16 did nothing without CUDA while the manifest said fp16; fairseq-generate --fp16 --cpu
+    halves the models, and so does decode_corpus (serve loads through the same function)."""
+    import fairseq_streambeam.loader as loader
+
+    dtypes = []
+    real = loader.load_models
+
+    def spy(*a, **kw):
+        models = real(*a, **kw)
+        dtypes.extend(str(next(m.parameters()).dtype) for m in models)
+        return models
+
+    monkeypatch.setattr(loader, "load_models", spy)
+    assert decode_main(_tiny_args(tiny_run, tmp_path / "out", "--fp16")) == 0
+    assert dtypes == ["torch.float16"]
