@@ -68,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-lookup", help="target-side text for the gad-lookup method's n-gram table (see "
                                           "--draft-lookup of fairseq-generate)")
     p.add_argument("--fp16", action="store_const", const=True,
-                   help="half-precision models (model.half(), as fairseq-generate --fp16); ct2 computes in float16")
+                   help="half-precision models (model.half(), as fairseq-generate --fp16); ct2 computes in "
+                        "float16 on CUDA")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="where models and batches go (auto: CUDA when torch sees a GPU)")
     p.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
@@ -357,8 +358,11 @@ def _ct2_translator(args, variants, threads, use_cuda: bool, fp16: bool = False)
     FairseqConverter(paths[0], args.data, source_lang=args.source_lang, target_lang=args.target_lang).convert(
         str(out), force=True)
     device = "cuda" if use_cuda else "cpu"
+    half = fp16 and use_cuda  # CTranslate2 has no float16 on a CPU: it refuses the compute type there
+    if fp16 and not half:
+        print("ct2: float32 (CTranslate2 computes float16 on CUDA only)", flush=True)
     return ctranslate2.Translator(str(out), device=device, inter_threads=1, intra_threads=threads,
-                                  compute_type="float16" if fp16 else "default")
+                                  compute_type="float16" if half else "default")
 
 
 def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: bool = False):
