@@ -129,7 +129,7 @@ def assert_same_attention(ref, got):
     assert_same_hypos(ref, got)
     for a, b in zip(ref, got):
         for x, y in zip(a, b):
-            assert x["attention"].shape == y["attention"].shape
+            assert x["attention"].shape == y["attention"].shape and x["attention"].dtype == y["attention"].dtype
             assert torch.allclose(x["attention"], y["attention"], atol=1e-5)
             if x["alignment"] and isinstance(x["alignment"][0], list):  # soft: probabilities printed to 6 places
                 assert len(x["alignment"]) == len(y["alignment"])
@@ -151,6 +151,16 @@ def test_print_alignment_matches_fairseq(kind, left_pad):
     assert_same_attention(ref, ours(models, d, s, print_alignment=kind, **kw)[0])
     got, _ = ours(models, d, s, print_alignment=kind, decoding="fixed-stream", budget=Budget(2), **kw)
     assert_same_attention(ref, got)  # streamed: cohorts merged with padded encoder positions
+
+
+def test_print_alignment_of_float64_models_matches_fairseq():
+    """fairseq's attention is float32 whatever the model's dtype; the history's was promoted to float64."""
+    d = make_dict(40)
+    m = random_transformer(d, 3).double()
+    s = make_sample(d, random_sentences(d, 5, 4))
+    kw = dict(beam_size=4, max_len_b=12)
+    ref = fairseq_with_alignment([m], d, s, "hard", **kw)
+    assert_same_attention(ref, ours([m], d, s, print_alignment="hard", **kw)[0])
 
 
 def test_print_alignment_var_stream_equals_var_batch():

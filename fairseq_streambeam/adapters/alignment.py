@@ -18,10 +18,11 @@ from torch import Tensor
 def extend(hist: Tensor, parents: Tensor, step_attn: Tensor, live_row: Tensor, stepped: Tensor) -> Tensor:
     """History of each child [K, L + 1, S]: its parent's history (`hist` [rows, L, S]) and, where the
     child was made this step (`stepped` [K]), the attention of its parent's live row `live_row` [K]
-    in `step_attn` [live, S]; a carried finished candidate gets zeros, which its length never reads."""
+    in `step_attn` [live, S]; a carried finished candidate gets zeros, which its length never reads.
+    The history keeps its dtype (float32, fairseq's attention dtype, for float64 models too)."""
     hist = pad_width(hist, step_attn.size(1))
     col = step_attn.index_select(0, live_row.clamp(min=0)) * stepped.unsqueeze(1).to(step_attn.dtype)
-    return torch.cat([hist.index_select(0, parents), col.unsqueeze(1)], 1)
+    return torch.cat([hist.index_select(0, parents), col.unsqueeze(1).to(hist.dtype)], 1)  # float32, as fairseq
 
 
 def pad_width(hist: Tensor, width: int) -> Tensor:
