@@ -375,3 +375,14 @@ def test_an_extreme_lenpen_gives_scores_instead_of_an_overflow(decoding):
         for h in nbest:
             n = len(h["tokens"])
             assert n >= 7 and h["score"].item() == 0.0 and math.copysign(1, h["score"].item()) == -1.0
+
+
+def test_generate_builds_no_autograd_graph_when_called_directly():
+    """fairseq's generate() runs under no_grad; _generate (which some callers use) must too."""
+    from fairseq_streambeam import StreamBeamGenerator
+
+    m = random_transformer(D, 3)
+    s = make_sample(D, random_sentences(D, 3, 5, max_len=6))
+    with torch.enable_grad():
+        out = StreamBeamGenerator([m], D, beam_size=2, max_len_b=6)._generate(s)
+    assert not any(h["score"].requires_grad or h["positional_scores"].requires_grad for hs in out for h in hs)

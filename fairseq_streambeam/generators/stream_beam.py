@@ -223,7 +223,6 @@ class StreamBeamGenerator(SequenceGenerator):
         self.scorer = ScorerStack(scorers) if scorers else None
         self.counters = Counters()
 
-    @torch.no_grad()
     def _choose_steps(self) -> None:
         """Lean block steps where the layers allow them and the models are in full precision; the
         block step for rows at different steps (ragged orders) or lean steps; else fairseq's step."""
@@ -231,6 +230,7 @@ class StreamBeamGenerator(SequenceGenerator):
         self.lean_steps = lean and all(_full_precision(m) for m in self.model.models)
         self.blocks = blocks if ragged or self.lean_steps else []
 
+    @torch.no_grad()
     def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
                   constraints: Optional[Tensor] = None, bos_token: Optional[int] = None):
         if constraints is not None:
