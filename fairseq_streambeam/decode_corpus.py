@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -236,7 +237,8 @@ class ShardDecoder:
         m = load_model(args, torch.cuda.is_available() and not args.cpu)
         self.task, self.codec, self.models, self.cuda = m.task, m.codec, m.models, m.cuda
         self.args = args
-        self.max_src = min(m.max_positions()[0] for m in self.models)
+        # a line is cut to the model's positions, and to --max-tokens, which batches no longer sentence
+        self.max_src = min([m.max_positions()[0] for m in self.models] + [args.max_tokens or math.inf])
         self.gen = None  # built once, at the first shard (batching sets the live budget first)
 
     def decode(self, raw: List[bytes], progress, first: int = 0) -> Tuple[List[str], dict, dict]:
@@ -256,7 +258,7 @@ class ShardDecoder:
             if not text.strip():
                 bad["empty"] += 1
             ids = self.codec.encode(text)
-            if len(ids) > self.max_src:  # keep the first max-1 tokens and EOS, decode, count it
+            if len(ids) > self.max_src:  # keep the first max-1 tokens and EOS, decode, count it (too_long)
                 ids = ids[: self.max_src]
                 ids[-1] = self.codec.src_dict.eos()
                 bad["too_long"] += 1

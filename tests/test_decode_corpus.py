@@ -251,18 +251,14 @@ def test_usage_mistakes_are_one_line_before_anything_is_written(tiny_run, tmp_pa
 
 
 def test_mistakes_found_late_are_one_line_too(tiny_run, tmp_path, capsys):
-    """An output folder that is a file is refused before anything loads; --max-tokens below a line's
-    length and --min-len above a line's own length limit (--max-len-a) show only once the lines are
-    encoded: one line and status 2 as well."""
+    """An output folder that is a file is refused before anything loads; --min-len above a line's own
+    length limit (--max-len-a) shows only once the line is encoded: one line and status 2 as well."""
     taken = tmp_path / "taken"
     taken.write_text("")
     with pytest.raises(SystemExit) as exit_:
         decode_main(_tiny_args(tiny_run, taken))
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and "--output-dir" in err[0] and "not a directory" in err[0]
-    rc = decode_main([*_tiny_args(tiny_run, tmp_path / "tokens"), "--max-tokens", "2"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err[-1].startswith("streambeam-decode-corpus: error: --max-tokens 2 is below the"), err[-3:]
     short = ["--max-len-a", "1", "--max-len-b", "0", "--min-len", "4"]
     rc = decode_main([*_tiny_args(tiny_run, tmp_path / "out"), *short])
     err = capsys.readouterr().err.strip().splitlines()
@@ -378,3 +374,15 @@ def test_fp16_halves_the_models_on_a_cpu_too(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "load_models", spy)
     assert decode_main(_tiny_args(tiny_run, tmp_path / "out", "--fp16")) == 0
     assert dtypes == ["torch.float16"]
+
+
+def test_lines_longer_than_max_tokens_are_cut_and_counted_in_every_shard(tiny_run, tmp_path):
+    """fairseq batches no sentence longer than --max-tokens (an assertion, after earlier shards were
+    written): such a line is cut to --max-tokens tokens, decoded and counted, as a line longer than
+    the model's positions is, in whichever shard it falls."""
+    out = tmp_path / "out"
+    for decoding in ("beam", "var-stream"):
+        rc = decode_main(_tiny_args(tiny_run, out / decoding, "--max-tokens", "4", "--shard-lines", "7",
+                                    "--decoding", decoding))
+        manifest = json.loads((out / decoding / "manifest.json").read_text())
+        assert rc == 0 and manifest["totals"]["bad_too_long"] > 0, manifest["totals"]
