@@ -449,6 +449,8 @@ class Server:
             raise Refused(400, f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
         except ValueError as e:  # valid JSON that Python refuses, e.g. an integer of over 4300 digits
             raise Refused(400, f"invalid JSON: {str(e).splitlines()[0]}") from None
+        except RecursionError:
+            raise Refused(400, "invalid JSON: nested too deeply") from None
         if not isinstance(data, dict) or "text" not in data:
             raise Refused(400, 'expected a JSON object with "text": a string or a list of strings')
         unknown = sorted(set(data) - {"text", *REQUEST_OPTIONS})
@@ -627,8 +629,9 @@ async def serve(args: argparse.Namespace, model, ready=None) -> None:
 def listen_problem(host: str, port: int, error: Optional[OSError] = None) -> Optional[str]:
     """Why the server could not listen on host:port (a port in use, an unknown host), or None."""
     if error is None:
-        try:
-            with socket.create_server((host, port)):
+        try:  # the host's first address, in its own family (IPv6 hosts such as ::1 too)
+            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            with socket.create_server(address[:2], family=family):
                 return None
         except OSError as e:
             error = e

@@ -220,6 +220,7 @@ def test_alignments_equal_offline(server):
     ({"text": "Hallo " * 1500}, 413, "request body over 8192 bytes"),
     (b'{"text": "Hallo", "beam": ' + b"1" * 4400 + b"}", 400, "invalid JSON: Exceeds the limit"),  # valid JSON
     (b'{"text": "Hallo \\ud800"}', 400, "sentence 1 is not valid Unicode"),
+    (b'{"text": ' + b"[" * 3000 + b"]" * 3000 + b"}", 400, "invalid JSON: nested too deeply"),
     ({"text": "Hallo " * 150}, 413, "tokens; the limit is 100"),
     ({"text": ["Hallo"] * 11}, 429, "queue full"),
     ({"text": "Hallo", "max_len_a": 0.1, "max_len_b": 0}, 400, "sentence 1: --min-len 1 exceeds"),
@@ -380,3 +381,18 @@ def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads():
             err = r.stderr.strip().splitlines()
             assert r.returncode == 2 and len(err) == 1 and message in err[0], r.stderr[-2000:]
             assert "Traceback" not in r.stderr and "streambeam-serve: --decoding" not in r.stdout
+
+
+def test_ipv6_hosts_pass_the_listen_check():
+    """The check before loading tries the host's own address family: ::1 is not refused."""
+    import socket
+
+    from fairseq_streambeam.serve import listen_problem
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    assert listen_problem("::1", 0) is None and listen_problem("127.0.0.1", 0) is None
