@@ -331,11 +331,14 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
     """Host time against device time per decoder step: one batch of `sources` test sentences of
     about the median length (sources x beam rows), decoded by fairseq's SequenceGenerator and the
     plugin's decodings. Per method: wall ms per step (unprofiled, after one warm-up decode), and
-    under torch.profiler the device's busy ms per step (kernel time), the host's ms per step waiting
-    in synchronizing CUDA calls, host syncs per step and the top operators by device and host time."""
+    under torch.profiler the device's busy ms per step (the kernels' time, each kernel once: the ops
+    that launch kernels carry their time too), the host's ms per step in synchronizing calls and
+    copies, synchronizing calls and copies per step (a copy to the host is one of each), and the top
+    kernels by device time and operators by host time."""
     import torch
     from fairseq import utils
     from fairseq.sequence_generator import SequenceGenerator
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from fairseq_streambeam import StreamBeamGenerator
@@ -352,8 +355,8 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
     sample = ds.collater([ds[i] for i in picked])
     if cuda:
         sample = utils.move_to_cuda(sample)
-    sync_calls = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
-                  "cudaMemcpy")
+    sync_calls = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    copy_calls = ("cudaMemcpyAsync", "cudaMemcpy")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
     def decode(gen) -> int:
@@ -384,22 +387,25 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
         with profile(activities=activities) as prof:
             decode(gen)
         events = prof.key_averages()
-        device_us = sum(us(e, "device") or us(e, "cuda") for e in events)
+        kernels = [e for e in events if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
+                   and not getattr(e, "is_user_annotation", False)]
+        device_us = sum(us(e, "device") or us(e, "cuda") for e in kernels)
         syncs = [e for e in events if e.key in sync_calls]
-        by_device = sorted((e for e in events if us(e, "device") or us(e, "cuda")),
-                           key=lambda e: -(us(e, "device") or us(e, "cuda")))[:top]
+        copies = [e for e in events if e.key in copy_calls]
+        by_device = sorted(kernels, key=lambda e: -(us(e, "device") or us(e, "cuda")))[:top]
         by_host = sorted(events, key=lambda e: -us(e, "cpu"))[:top]
         out["methods"][name] = {
             "steps": steps, "wall_ms_per_step": round(1000 * wall / steps, 3),
             "device_ms_per_step": round(device_us / 1000 / steps, 3),
-            "sync_wait_ms_per_step": round(sum(us(e, "cpu") for e in syncs) / 1000 / steps, 3),
+            "sync_wait_ms_per_step": round(sum(us(e, "cpu") for e in syncs + copies) / 1000 / steps, 3),
             "syncs_per_step": round(sum(e.count for e in syncs) / steps, 2),
+            "copies_per_step": round(sum(e.count for e in copies) / steps, 2),
             "top_device": [[e.key, round((us(e, "device") or us(e, "cuda")) / 1000 / steps, 3)] for e in by_device],
             "top_host": [[e.key, round(us(e, "cpu") / 1000 / steps, 3)] for e in by_host]}
         m = out["methods"][name]
         print(f"profile: {name}: {steps} steps, {m['wall_ms_per_step']} ms a step, device busy "
               f"{m['device_ms_per_step']} ms, waiting in syncs {m['sync_wait_ms_per_step']} ms, "
-              f"{m['syncs_per_step']} syncs a step", flush=True)
+              f"{m['syncs_per_step']} syncs and {m['copies_per_step']} copies a step", flush=True)
     return out
 
 
@@ -572,10 +578,11 @@ def markdown(result: dict) -> str:
     for name, prof in result.get("profile", {}).items():
         lines += [f"## {name}: per decoder step, {prof['sources']} sources x beam {prof['beam']} = {prof['rows']} rows"
                   f"{', fp16' if prof.get('fp16') else ''}", "",
-                  "| method | steps | wall ms | device busy ms | waiting in syncs ms | syncs |",
-                  "|---|---|---|---|---|---|"]
+                  "| method | steps | wall ms | device busy ms | waiting in syncs and copies ms | syncs | copies |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {m} | {r['steps']} | {r['wall_ms_per_step']} | {r['device_ms_per_step']} | "
-                  f"{r['sync_wait_ms_per_step']} | {r['syncs_per_step']} |" for m, r in prof["methods"].items()]
+                  f"{r['sync_wait_ms_per_step']} | {r['syncs_per_step']} | {r.get('copies_per_step', '-')} |"
+                  for m, r in prof["methods"].items()]
         for m, r in prof["methods"].items():
             lines += ["", f"{m}, top operators (ms a step): device " + ", ".join(f"{k} {v}" for k, v in r["top_device"])
                       + "; host " + ", ".join(f"{k} {v}" for k, v in r["top_host"])]
@@ -607,7 +614,8 @@ def short_table(result: dict) -> str:
     for name, prof in result.get("profile", {}).items():
         for m, r in prof["methods"].items():
             lines.append(f"{name} {m}: {r['steps']} steps, {r['wall_ms_per_step']} ms a step, device busy "
-                         f"{r['device_ms_per_step']} ms, syncs {r['syncs_per_step']} ({r['sync_wait_ms_per_step']} ms)")
+                         f"{r['device_ms_per_step']} ms, syncs {r['syncs_per_step']}, copies "
+                         f"{r.get('copies_per_step', '-')} ({r['sync_wait_ms_per_step']} ms)")
     return "\n".join(lines)
 
 

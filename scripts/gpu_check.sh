@@ -26,7 +26,7 @@
 # Options: --step LIST (tests; several comma-separated) --out DIR ($OUT, else ./gpu-out)
 #   --device cuda|cpu --data DIR (gpu-data, else ../shared) --limit N (test sentences; 500; a quarter
 #   of them for batch 1, which decodes one sentence at a time)
-#   --repeats N (2) --drafter-minutes M (5) --drafter-lines N (40000) --big-minutes M (3)
+#   --repeats N (2) --drafter-minutes M (4) --drafter-lines N (30000) --big-minutes M (3)
 #   --big-vocab N (dictionary padded to N entries; 42000; 0 keeps the tiny models' 8008)
 #   --deadline S (seconds for the whole run, 570: commands are cut so the summary is written in time)
 #   --tests-k EXPR (pytest -k) --tiny (dry-run sizes: tiny models, 5 sentences, a few updates, beam 5
@@ -36,7 +36,7 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
 steps=tests; device=cuda; out="${OUT:-$here/gpu-out}"; data=""; limit=""; repeats=""; tests_k=""; tiny=0
-drafter_minutes=5; drafter_lines=40000; big_minutes=3; big_vocab=42000; deadline=570; valid_lines=500
+drafter_minutes=4; drafter_lines=30000; big_minutes=3; big_vocab=42000; deadline=570; valid_lines=500
 beams=(5 50); batches=(1 32)  # bench: deen-tiny beam sizes; gec-tiny IAD and deen-tiny GAD batch sizes
 python="${PYTHON:-python3}"
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
@@ -302,26 +302,30 @@ stage_big() {
   [ "$tiny" = 1 ] && rows=1,2,4
   run big step-cost-big "${helper[@]}" step-cost --data "$bb" --path "$ckpt" \
     -s de -t en --device "$device" --rows "$rows" --out "$work/step_cost_big.json"
-  local k n sources=64 half="" lean_rows=1,8,64,320,1024,3200
+  # the goals' runs first (beam against fairseq at k = 5 and 50, host against device time), the
+  # diagnostics after them: what the deadline cuts comes last
+  local k n p sources=64 half="" lean_rows=1,8,64,320,1024,3200
   [ "$tiny" = 1 ] && sources=4 && lean_rows=1,4
   [ "$device" = cuda ] && half=fp16
-  for p in fp32 $half; do  # the plugin's step eager against a CUDA graph's replay: what host work costs
-    run big "lean-step-big-$p" "${helper[@]}" lean-step-cost --data "$bb" --path "$ckpt" -s de -t en \
-      --device "$device" --rows "$lean_rows" $([ "$p" = fp16 ] && echo --fp16) --out "$work/lean_step_big_$p.json"
-  done
-  for p in fp32 $half; do  # host against device time per step at 64 sources x beam 5 = 320 rows
-    run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
-      --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json"
-  done
   bench big big-k5 --data "$bb" --path "$ckpt" -s de -t en --beam 5 \
     --methods fairseq,beam,var-batch,var-stream,fixed-stream --limit "$limit"
-  [ "$device" = cuda ] && bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
-    --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --limit "$limit"
   for k in "${beams[@]}"; do
     [ "$k" -gt 5 ] || continue
     n=$(( limit / 5 > 0 ? limit / 5 : 1 ))
     bench big "big-k$k" --data "$bb" --path "$ckpt" -s de -t en --beam "$k" \
       --methods fairseq,beam,var-batch,var-stream --limit "$n"
+  done
+  for p in $half fp32; do  # host against device time per step at 64 sources x beam 5 = 320 rows
+    run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
+      --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json"
+  done
+  if [ "$device" = cuda ]; then
+    bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
+      --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --limit "$limit"
+  fi
+  for p in $half fp32; do  # the plugin's step eager against a CUDA graph's replay: what host work costs
+    run big "lean-step-big-$p" "${helper[@]}" lean-step-cost --data "$bb" --path "$ckpt" -s de -t en \
+      --device "$device" --rows "$lean_rows" $([ "$p" = fp16 ] && echo --fp16) --out "$work/lean_step_big_$p.json"
   done
 }
 

@@ -215,15 +215,16 @@ def test_summary_survives_a_run_cut_off_midway(tmp_path):
     (work / "profile_big_fp16.json").write_text(json.dumps({
         "sources": 64, "beam": 5, "rows": 320, "fp16": True, "methods": {"beam": {
             "steps": 30, "wall_ms_per_step": 9.5, "device_ms_per_step": 3.1, "sync_wait_ms_per_step": 1.2,
-            "syncs_per_step": 6.0, "top_device": [["aten::mm", 1.4]], "top_host": [["aten::addmm", 2.2]]}}}))
+            "syncs_per_step": 1.0, "copies_per_step": 6.0, "top_device": [["aten::mm", 1.4]],
+            "top_host": [["aten::addmm", 2.2]]}}}))
     res = gpu_check.summarize(work, tmp_path / "out")
     assert set(res["bench"]) == {"deen-k5"} and res["tests"]["failed"] == ["tests.test_cuda::test_a"]
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| var-stream | 6.6 |" in md and "FAILED tests.test_cuda::test_a" in md and "| ms | 1.5 | 1.9 |" in md
     short = gpu_check.short_table(res)
     assert "FAILED tests pytest (exit 1)" in short and "FAILED bench deen-k50 (exit 124)" in short
-    assert "| beam | 30 | 9.5 | 3.1 | 1.2 | 6.0 |" in md and "device aten::mm 1.4; host aten::addmm 2.2" in md
-    assert "profile_big_fp16 beam: 30 steps, 9.5 ms a step, device busy 3.1 ms" in short
+    assert "| beam | 30 | 9.5 | 3.1 | 1.2 | 1.0 | 6.0 |" in md and "device aten::mm 1.4; host aten::addmm 2.2" in md
+    assert "profile_big_fp16 beam: 30 steps, 9.5 ms a step, device busy 3.1 ms, syncs 1.0" in short
     assert "| eager | 6.1 |" in md and "| graph | 1.2 |" in md and "320 rows 6.1 ms (graph 1.2)" in short
     assert (tmp_path / "out" / "gpu_check.png").stat().st_size > 0
 
