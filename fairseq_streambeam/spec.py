@@ -236,6 +236,7 @@ _RANGES = [
     ("stream_window", lambda v: v >= 1, ">= 1"),
     ("max_wait_steps", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("lmbr_lambda", lambda v: v is None or v > 0, "> 0"),
+    ("lmbr_theta0", lambda v: v is None or math.isfinite(v), "a finite number"),
     ("lmbr_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("lmbr_r", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("iad_ngram", lambda v: v >= 1, ">= 1"),

@@ -168,12 +168,15 @@ class StreamBeamTranslationTask(TranslationTask):
         masks (so a masked token stays -inf whatever LMBR adds)."""
         d = self.target_dictionary
         out = []
-        if spec.lmbr_posteriors:
-            theta = Theta.linear_bleu(spec.lmbr_p, spec.lmbr_r, theta0=spec.lmbr_theta0)
-            lam = 1.0 / n_models if spec.lmbr_lambda is None else spec.lmbr_lambda
-            out.append(LMBRScorer(self.lmbr_posteriors(spec.lmbr_posteriors), theta, lam, d.pad()))
-        if spec.token_masks:
-            out.append(TokenMaskScorer(load_masks(spec.token_masks, len(d)), d.eos(), d.pad()))
+        try:  # a file's mistakes (ValueError naming file and line) are the user's: one line
+            if spec.lmbr_posteriors:
+                theta = Theta.linear_bleu(spec.lmbr_p, spec.lmbr_r, theta0=spec.lmbr_theta0)
+                lam = 1.0 / n_models if spec.lmbr_lambda is None else spec.lmbr_lambda
+                out.append(LMBRScorer(self.lmbr_posteriors(spec.lmbr_posteriors), theta, lam, d.pad()))
+            if spec.token_masks:
+                out.append(TokenMaskScorer(load_masks(spec.token_masks, len(d)), d.eos(), d.pad()))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         return out
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):

@@ -223,6 +223,8 @@ def test_lambda_must_be_positive():
         LMBRScorer({}, THETA, lam=0.0, pad=PAD)
     with pytest.raises(UsageError, match="--lmbr-lambda must be > 0, got -1"):
         DecodeSpec(lmbr_lambda=-1.0)
+    with pytest.raises(UsageError, match="--lmbr-theta0 must be a finite number, got nan"):
+        DecodeSpec(lmbr_theta0=float("nan"))  # every sentence came out empty with score -inf
 
 
 def _task(tmp_path, **cfg):
@@ -365,3 +367,34 @@ def test_scorer_files_with_ids_outside_the_dictionary_are_refused_when_read(tmp_
     line = 2 if kind == "token_masks" else 1
     with pytest.raises(ValueError, match=rf"f.jsonl:{line}: token id {token} is not in the target dictionary"):
         task.build_generator([MODEL], argparse.Namespace(beam=4, nbest=1, max_len_b=12))
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"id": 0, "ngrams": [[[5], 0.5]]}', '{"id": 0, "ngrams": [[[6], 0.5]]}'],
+     "p.jsonl:2: sentence 0 already has a record (line 1)"),
+    (['{"id": 0, "ngrams": [[[5], NaN]]}'], "p.jsonl:1: not a posterior record (posterior nan is not a finite"),
+    (['{"id": 0, "ngrams": [[[5], -0.5]]}'], "p.jsonl:1: not a posterior record (posterior -0.5 is not a finite"),
+    (['{"id": 0, "ngrams": [[[5.5], 0.5]]}'], "p.jsonl:1: not a posterior record (token id 5.5 is not a whole"),
+])
+def test_posterior_files_with_duplicates_or_non_finite_values_are_refused(tmp_path, lines, message):
+    """A second record replaced the first; NaN posteriors (build_posteriors on all -inf n-best scores)
+    turned sentences into empty -inf hypotheses."""
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as e:
+        load_posteriors(str(p))
+    assert str(e.value).startswith(str(tmp_path / message)), str(e.value)
+
+
+def test_a_malformed_scorer_file_is_one_line_from_the_command(tiny_run, tmp_path):
+    from helpers import BIN, run_cli
+
+    data, ckpt = tiny_run
+    masks = tmp_path / "m.jsonl"
+    masks.write_text("not json\n")
+    r = run_cli([str(BIN / "streambeam-generate"), str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt",
+                 "--gen-subset", "test", "--cpu", "--batch-size", "4", "--decoding", "beam",
+                 "--token-masks", str(masks)])
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and f"{masks}:1: not a mask record" in errors[0], r.stderr[-2000:]

@@ -34,8 +34,26 @@ def test_load_masks(tmp_path):
     p.write_text(json.dumps({"id": 4, "allow": [5]}) + "\n" + json.dumps({"id": 9, "ban": [6, 7]}) + "\n")
     assert load_masks(str(p)) == {4: ("allow", [5]), 9: ("ban", [6, 7])}
     p.write_text(json.dumps({"id": 4, "allow": [5], "ban": [6]}) + "\n")
-    with pytest.raises(ValueError, match="exactly one of allow/ban"):
+    with pytest.raises(ValueError, match='exactly one list "allow" or "ban"'):
         load_masks(str(p))
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"id": 0, "ban": [5]}', '{"id": 0, "ban": [7]}'], "m.jsonl:2: sentence 0 already has a record (line 1)"),
+    (["not json"], "m.jsonl:1: not a mask record (Expecting value"),
+    (['{"id": "x", "ban": [5]}'], "m.jsonl:1: not a mask record (id 'x' is not a whole number)"),
+    (['{"id": 0, "ban": [5.7]}'], "m.jsonl:1: not a mask record (token id 5.7 is not a whole number)"),
+    (['{"id": 0, "ban": 5}'], 'm.jsonl:1: not a mask record (a mask record has an "id"'),
+    (["5"], 'm.jsonl:1: not a mask record (a mask record has an "id"'),
+])
+def test_mask_files_that_would_let_a_banned_token_through_or_fail_late_are_refused(tmp_path, lines, message):
+    """A second record for a sentence replaced the first (its banned token came out); a float id was
+    cut to another token; other malformed lines were bare JSON or type errors naming no file."""
+    p = tmp_path / "m.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as e:
+        load_masks(str(p))
+    assert str(e.value).startswith(str(p).replace("m.jsonl", "") + message), str(e.value)
 
 
 MODEL = random_transformer(D, 97).double()

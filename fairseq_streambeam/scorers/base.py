@@ -5,7 +5,7 @@ candidates through reordering, merges and refill."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Protocol, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -43,6 +43,20 @@ class ScorerStack:
 
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
         return torch.stack([s.advance(state[:, k], tokens) for k, s in enumerate(self.scorers)], 1)
+
+
+def whole(value, what: str) -> int:
+    """A JSON integer (not a float such as 5.7, which int() would cut to 5, nor a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} {value!r} is not a whole number")
+    return value
+
+
+def first_record(seen: Dict[int, int], sid: int, path: str, line: int) -> None:
+    """Sentence `sid` has no record before line `line` of `path` (a second one would replace it)."""
+    if sid in seen:
+        raise ValueError(f"{path}:{line}: sentence {sid} already has a record (line {seen[sid]})")
+    seen[sid] = line
 
 
 def check_ids(path: str, line: int, ids: List[int], vocab: Optional[int]) -> None:

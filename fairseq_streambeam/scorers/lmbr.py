@@ -16,6 +16,7 @@ synchronizes with the host.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import check_ids
+from .base import check_ids, first_record, whole
 
 NGram = Tuple[int, ...]
 MAX_ORDER = 4
@@ -49,16 +50,23 @@ def load_posteriors(path: str, vocab: Optional[int] = None) -> Dict[int, Dict[NG
     """JSON lines `{"id": sentence id, "ngrams": [[[token ids], posterior], ...]}` (see build_posteriors);
     with `vocab`, every token id must be one of the target dictionary's (0..vocab-1)."""
     out: Dict[int, Dict[NGram, float]] = {}
+    seen: Dict[int, int] = {}
     with open(path, encoding="utf-8") as f:
         for ln, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-                out[int(rec["id"])] = post = {tuple(int(t) for t in g): float(p) for g, p in rec["ngrams"]}
+                sid = whole(rec["id"], "id")
+                post = {tuple(whole(t, "token id") for t in g): float(p) for g, p in rec["ngrams"]}
+                bad = [p for p in post.values() if not (math.isfinite(p) and p >= 0)]
+                if bad:
+                    raise ValueError(f"posterior {bad[0]} is not a finite number >= 0")
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{ln}: not a posterior record ({e})") from e
+                raise ValueError(f"{path}:{ln}: not a posterior record ({e})") from None
+            first_record(seen, sid, path, ln)
             check_ids(path, ln, [t for g in post for t in g], vocab)
+            out[sid] = post
     return out
 
 
