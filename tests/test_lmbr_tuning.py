@@ -43,6 +43,15 @@ def test_fairseq_nbest_scores_are_log2(tmp_path):
     assert post[_g("w2")] == pytest.approx(0.5)
 
 
+def test_a_source_whose_scores_are_all_minus_inf_gets_uniform_weights(tmp_path):
+    """The plugin prints -inf for a source that ended with no finite hypothesis: exp(x - max) was
+    NaN there, the file held NaN posteriors, and that sentence decoded to an empty -inf hypothesis."""
+    f = tmp_path / "gen.out"
+    f.write_text("S-4\tsrc\nH-4\t-inf\tw1 w2\nP-4\t-inf -inf\nH-4\t-inf\tw1 w3\n")
+    post = _build(tmp_path, "--nbest", str(f))[4]
+    assert post[_g("w1")] == pytest.approx(1.0) and post[_g("w2")] == pytest.approx(0.5)
+
+
 def test_moses_nbest(tmp_path):
     f = tmp_path / "moses.nbest"
     f.write_text("0 ||| w1 w2 ||| lm: -3 tm: -1 ||| -1.0\n"

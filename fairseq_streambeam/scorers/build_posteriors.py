@@ -139,10 +139,10 @@ class _Source:
     pair_entry: np.ndarray
 
     def posteriors(self, alpha: float) -> np.ndarray:
-        if self.scores is None:
+        x = None if self.scores is None else alpha * self.scores
+        if x is None or not np.isfinite(x.max()):  # no score, or none finite (all -inf): uniform
             p = np.full(self.entries, 1.0 / self.entries)
         else:
-            x = alpha * self.scores
             p = np.exp(x - x.max())
             p /= p.sum()
         return np.bincount(self.pair_gram, weights=p[self.pair_entry], minlength=len(self.grams))
