@@ -32,6 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .spec import DECODINGS, PAPER_DELTA, PAPER_M, UsageError
 
 Prune = Tuple[float, int, int]  # (delta, M, finish count)
+# evidence options beside the files that change its posteriors (n-gram order, how raw text is segmented)
+EVIDENCE_KEYS = ("max_order", "tokenizer", "bpe", "bpe_codes", "sentencepiece_model")
 Weights = Tuple[float, float, float]  # LMBR (alpha, lambda, Theta0)
 
 
@@ -350,7 +352,8 @@ class Calibrator:
         return dict(lines=self._lines[id(ts)][1], files=[(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
                     decoding=a.decoding, threads=a.threads if a.objective == "time" else None, beam=a.beam,
                     lenpen=a.lenpen, max_len_b=a.max_len_b, batch=[a.batch_size, a.max_tokens],
-                    lmbr=[a.lmbr_p, a.lmbr_r, a.weights, a.n, a.format], device="cuda" if self.cuda else "cpu")
+                    lmbr=[a.lmbr_p, a.lmbr_r, a.weights, a.n, a.format] + [getattr(a, k, None) for k in EVIDENCE_KEYS],
+                    device="cuda" if self.cuda else "cpu")
 
     def _posteriors(self, ts, alpha: float, name: str) -> str:
         from .scorers.lmbr import write_posteriors
@@ -359,7 +362,14 @@ class Calibrator:
         path = self.out / "posteriors" / f"{name}.alpha={alpha:g}.{self._key(Setting(), ts)[:12]}.jsonl"
         if not path.exists():
             post = self.evidence.posteriors(alpha)
-            write_posteriors(path, {i: post[o] for i, o in enumerate(ts.orig_ids) if o in post})
+            covered = {i: post[o] for i, o in enumerate(ts.orig_ids) if o in post}
+            if not covered:  # evidence of another split: LMBR would tune on nothing
+                raise CalibrationError(f"the --nbest evidence has none of the {name} set's {len(ts.orig_ids)} "
+                                       f"sentence ids (it has {len(post)} others): was it made on another split?")
+            if len(covered) < len(ts.orig_ids):
+                print(f"LMBR: {len(ts.orig_ids) - len(covered)} of {len(ts.orig_ids)} {name} sentences have no "
+                      "evidence and decode unscored", flush=True)
+            write_posteriors(path, covered)
         return str(path)
 
     def _key(self, s: Setting, ts) -> str:

@@ -226,6 +226,7 @@ def test_a_gap_of_exactly_the_tolerance_is_on_target(tiny_run, tmp_path, monkeyp
     (["-s", "xx"], "no dict.xx.txt there"),
     (["--out", "{tmp}/bad.nbest"], "bad.nbest: not a directory"),
     (["--max-tokens", "3"], "--max-tokens 3 is below the"),
+    (["--nbest", "{tmp}/far.nbest", "--format", "moses"], "the --nbest evidence has none of the dev set's 61 sentence"),
     (["--gen-subset", "valid"], "valid"),
     (["--path", "{tmp}"], "not a regular file"),
     (["--src", "{src}", "--ref", "{src}", "--bpe", "sentencepiece", "--sentencepiece-model", "{tmp}/no.model"],
@@ -234,6 +235,8 @@ def test_a_gap_of_exactly_the_tolerance_is_on_target(tiny_run, tmp_path, monkeyp
 def test_bad_input_is_one_line_with_status_2(tiny_run, tmp_path, extra, message):
     data, ckpt = tiny_run
     (tmp_path / "bad.nbest").write_text("0 ||| w1 w2 ||| f\n")
+    first_ref = (data.parent / "test.tgt").read_text().splitlines()[0]
+    (tmp_path / "far.nbest").write_text(f"1000 ||| {first_ref} ||| f ||| 0\n")  # ids of another split
     extra = [x.format(src=data.parent / "test.src", tmp=tmp_path) for x in extra]
     r = run_cli([str(BIN / "streambeam-calibrate"), *_argv(data, ckpt, tmp_path / "out", *extra)])
     assert r.returncode == 2
