@@ -48,7 +48,11 @@ else
   mkdir -p "$out/evidence"
   IFS=, read -r -a systems <<< "${evidence:-$path}"
   for ckpt in "${systems[@]}"; do
-    f="$out/evidence/$(basename "${ckpt//:/+}" .pt).$dev.nbest$nbest_size"
+    # named by the checkpoint(s) and a hash of their full paths and the data: two systems whose files
+    # share a name (a/checkpoint_best.pt, b/checkpoint_best.pt), an ensemble a.pt:b.pt against b.pt
+    # alone, or another --data in the same --out get files of their own
+    tag=$(printf '%s|%s' "$(realpath -m "$data")" "$(for c in ${ckpt//:/ }; do realpath -m "$c"; done)" | sha1sum | cut -c1-8)
+    f="$out/evidence/$(basename "${ckpt//:/+}" .pt)-$tag.$dev.nbest$nbest_size"
     if [ ! -s "$f" ]; then
       echo "evidence: $ckpt, $nbest_size-best of $data:$dev -> $f" >&2
       fairseq-generate "$data" --user-dir "$plugin" --task streambeam_translation --path "$ckpt" -s "$s" -t "$t" \

@@ -5,6 +5,7 @@ files; a tuned config in the bench, and scripts/tune_lmbr.sh from evidence to tu
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -169,13 +170,19 @@ def test_bench_accepts_the_tuned_config(tiny_run, tmp_path):
 def test_tune_script_makes_evidence_and_tunes(tiny_run, tmp_path):
     data, ckpt = tiny_run
     out = tmp_path / "tune"
+    other = tmp_path / "other" / ckpt.name  # a second system whose file has the same name
+    other.parent.mkdir()
+    shutil.copy(ckpt, other)
     r = run_cli(["bash", str(Path(__file__).parents[1] / "scripts" / "tune_lmbr.sh"), "--data", str(data), "--path",
                  str(ckpt), "-s", "src", "-t", "tgt", "--dev", "test", "--nbest-size", "3", "--post-process", "none",
-                 "--out", str(out), "--", "--lambdas", "0.5", "1", "--theta0s", "0", "--lmbr-search", "grid", "--quiet",
-                 "--cpu", "--tolerance", "100"], env_extra={"PYTHON": str(BIN / "python")})
+                 "--evidence", f"{ckpt},{other}", "--out", str(out), "--", "--lambdas", "0.5", "1", "--theta0s", "0",
+                 "--lmbr-search", "grid", "--quiet", "--cpu", "--tolerance", "100"],
+                env_extra={"PYTHON": str(BIN / "python")})
     assert r.returncode == 0, r.stderr[-3000:]
-    nbest = out / "evidence" / "checkpoint_last.test.nbest3"
-    assert len(re.findall(r"^H-\d+\t", nbest.read_text(), re.M)) == 3 * N_TEST
+    files = sorted((out / "evidence").glob("checkpoint_last-*.test.nbest3"))
+    assert len(files) == 2  # one per system: the same file name no longer makes them one
+    for nbest in files:
+        assert len(re.findall(r"^H-\d+\t", nbest.read_text(), re.M)) == 3 * N_TEST
     res = json.loads((out / "calibrate.json").read_text())
-    assert len(res["results"]) == 1 + 2 and res["args"]["nbest"] == [str(nbest)]
+    assert len(res["results"]) == 1 + 2 and sorted(res["args"]["nbest"]) == [str(f) for f in files]
     assert json.loads((out / "best.json").read_text())["lmbr_lambda"] in (0.5, 1.0)
