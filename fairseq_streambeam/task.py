@@ -139,7 +139,10 @@ class StreamBeamTranslationTask(TranslationTask):
             return ModelDrafter(self._drafter_model(spec.drafter, model), tgt_d, spec.block_size)
         key = ("lookup", spec.draft_lookup, spec.draft_lookup_order)  # built once per task (a bench repeats)
         if key not in self._drafters:
-            self._drafters[key] = NgramTable.from_file(spec.draft_lookup, tgt_d, spec.draft_lookup_order)
+            try:  # the file's or the order's mistakes are the user's: one line
+                self._drafters[key] = NgramTable.from_file(spec.draft_lookup, tgt_d, spec.draft_lookup_order)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise UsageError(f"--draft-lookup {spec.draft_lookup}: {e}") from None
         return LookupDrafter(self._drafters[key], bos=tgt_d.eos(), eos=tgt_d.eos(),
                              block_size=spec.block_size or LOOKUP_BLOCK)
 

@@ -55,6 +55,10 @@ def test_drafts_repeat_the_output_then_follow_the_table():
 def test_table_errors(tmp_path):
     with pytest.raises(ValueError, match="62 bits"):
         NgramTable.from_sequences([[3, 2]], vocab=2 ** 21, bos=BOS, order=3)
+    # keys are context * vocab + next: order 4 of 8008 words (8008 ** 5 > 2 ** 62) overflowed int64 silently
+    with pytest.raises(ValueError, match="62 bits: lower --draft-lookup-order"):
+        NgramTable.from_sequences([[3, 2]], vocab=8008, bos=BOS, order=4)
+    assert NgramTable.from_sequences([[3, 2]], vocab=8008, bos=BOS, order=3).order == 3
     with pytest.raises(ValueError, match="no such file"):
         NgramTable.from_file(str(tmp_path / "none.txt"), D)
     with pytest.raises(ValueError, match="block-size"):
@@ -125,3 +129,19 @@ def test_lookup_gad_cli_equals_greedy(tiny_run, tmp_path):
     for key in got:  # float32: block verification sums in another order than one-token steps
         (s1, t1), (s2, t2) = got[key].split("\t"), greedy[key].split("\t")
         assert t1 == t2 and abs(float(s1) - float(s2)) < 1e-4, key
+
+
+@pytest.mark.parametrize("content,extra,message", [
+    ("w1 w2\n", ["--draft-lookup-order", "60"], "do not fit in 62 bits: lower --draft-lookup-order"),
+    (b"w1 \xff\n", [], "'utf-8' codec can't decode"),
+])
+def test_lookup_table_mistakes_are_one_line(tiny_run, tmp_path, content, extra, message):
+    data, ckpt = tiny_run
+    table = tmp_path / "t.txt"
+    table.write_bytes(content if isinstance(content, bytes) else content.encode())
+    r = run_cli([str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", PLUGIN, "--task",
+                 "streambeam_translation", "--gen-subset", "test", "--beam", "1", "--cpu", "--decoding", "gad",
+                 "--draft-lookup", str(table), *extra])
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and f"--draft-lookup {table}: " in errors[0] and message in errors[0], r.stderr[-2000:]

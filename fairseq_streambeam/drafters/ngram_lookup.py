@@ -35,8 +35,9 @@ class NgramTable:
         """`seqs`: token ids, each ending in EOS; BOS is put before each, as the decoder sees it."""
         if order < 1:
             raise ValueError(f"n-gram order must be >= 1, got {order}")
-        if float(vocab) ** order >= 2.0 ** 62:
-            raise ValueError(f"a {order}-token context of a {vocab}-word vocabulary does not fit in 62 bits")
+        if float(vocab) ** (order + 1) >= 2.0 ** 62:  # the table's keys are context * vocab + next token
+            raise ValueError(f"a {order}-token context and its next token in a {vocab}-word vocabulary do not fit "
+                             "in 62 bits: lower --draft-lookup-order")
         parts = [[bos, *s] for s in seqs]
         lens = np.array([len(p) for p in parts], dtype=np.int64)
         flat = np.fromiter((t for p in parts for t in p), dtype=np.int64, count=int(lens.sum()))
