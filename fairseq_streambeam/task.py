@@ -36,18 +36,22 @@ from .spec import DecodeSpec, UsageError, check_files, from_cli
 logger = logging.getLogger("fairseq_streambeam")
 
 
-def max_tokens_problem(dataset, max_tokens, max_positions) -> str | None:
-    """Why `max_tokens` cannot batch `dataset`: a sentence (source or reference) that fairseq's
-    size filter keeps is longer than it. fairseq's batch_by_size asserts deep in its Cython there,
-    and streaming windows, whose limit is max_tokens times the window, decoded such a sentence."""
-    if max_tokens is None:
-        return None
+def batching_problem(dataset, max_tokens, max_positions, ignore_invalid_inputs: bool) -> str | None:
+    """Why fairseq's batching would stop on `dataset`, in one line: a sentence longer than the
+    model's positions (fairseq raises a bare Exception, unless ignore_invalid_inputs skips it), or a
+    kept sentence (source or reference) longer than `max_tokens` (fairseq's batch_by_size asserts in
+    its Cython, and streaming windows, whose limit is max_tokens times the window, decoded it)."""
     try:
         indices = np.arange(len(dataset), dtype=np.int64)
         if max_positions is not None:
-            indices, _ = dataset.filter_indices_by_size(indices, max_positions)
+            indices, ignored = dataset.filter_indices_by_size(indices, max_positions)
+            if len(ignored) and not ignore_invalid_inputs:
+                return (f"sentence {ignored[0]} has {dataset.num_tokens(ignored[0])} tokens, more than the model's "
+                        f"positions ({max_positions}); --skip-invalid-size-inputs-valid-test skips such sentences")
+        if max_tokens is None:
+            return None
         sizes = np.asarray(dataset.num_tokens_vec(indices))
-    except NotImplementedError:  # a dataset without vectorized sizes: fairseq's own check stands
+    except NotImplementedError:  # a dataset without vectorized sizes: fairseq's own checks stand
         return None
     if not len(sizes) or sizes.max() <= max_tokens:
         return None
@@ -83,10 +87,10 @@ class StreamBeamTranslationTask(TranslationTask):
         issues #5036, #5351); and streaming decodings get windows of `stream_window` batches, unless
         the set is split across workers (`num_shards`), which fairseq does by whole batches: each
         worker then decodes the sentences stock fairseq gives it. A limit of 0 or less is none; a
-        sentence longer than max_tokens is a UsageError (max_tokens_problem)."""
+        sentence fairseq cannot batch is a UsageError (batching_problem)."""
         max_tokens = max_tokens if max_tokens is not None and max_tokens > 0 else None
         max_sentences = max_sentences if max_sentences is not None and max_sentences > 0 else None
-        problem = max_tokens_problem(dataset, max_tokens, max_positions)
+        problem = batching_problem(dataset, max_tokens, max_positions, ignore_invalid_inputs)
         if problem:
             raise UsageError(problem)
         self.budget = Budget(max_sentences, max_tokens, self.spec.stream_candidates)

@@ -147,3 +147,16 @@ def test_hub_reattached_starts_from_the_plugin_defaults(tiny_run, tmp_path):
     attach_to_hub(hub, decoding="var-stream", prune_abs_threshold=1.0)
     attach_to_hub(hub, decoding="beam")
     assert hub.translate(sents, beam=4) == ref
+
+
+def test_interactive_line_longer_than_the_models_positions_is_one_line():
+    """fairseq raised a bare Exception from its size filter (a traceback) for every decoding."""
+    from helpers import shared_path
+
+    m = shared_path("models", "deen-tiny")
+    r = _run([str(BIN / "streambeam-interactive"), str(m), "--path", str(m / "checkpoint_best.pt"), "-s", "de",
+              "-t", "en", "--bpe", "sentencepiece", "--sentencepiece-model", str(m / "spm8k.model"), "--cpu",
+              "--decoding", "var-stream"], input=" ".join(["Haus"] * 1500) + "\n")
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and "more than the model's positions" in errors[0], r.stderr[-2000:]
