@@ -157,3 +157,20 @@ def block_of(tokens: torch.Tensor, pad=None) -> Block:
     pad = np.zeros(tuple(tokens.shape), dtype=bool) if pad is None else np.asarray(pad)
     zeros = np.zeros(pad.shape, dtype=np.int64)
     return Block(tokens, [int((~p[1:]).sum()) for p in pad], pad, zeros, zeros.astype(bool), None, None, None)
+
+
+def spy_loaded_dtypes(monkeypatch) -> list:
+    """The dtype of each model that fairseq_streambeam.loader.load_models loads from now on (as
+    str), for tests of options such as --fp16."""
+    import fairseq_streambeam.loader as loader
+
+    dtypes: list = []
+    real = loader.load_models
+
+    def spy(*a, **kw):
+        models = real(*a, **kw)
+        dtypes.extend(str(next(m.parameters()).dtype) for m in models)
+        return models
+
+    monkeypatch.setattr(loader, "load_models", spy)
+    return dtypes

@@ -65,21 +65,13 @@ def test_fp16_decodes_half_models_and_is_recorded(tiny_run, tmp_path, monkeypatc
     """--fp16 halves the models every method decodes (fairseq's generator too), as
     fairseq-generate --fp16 does; results.json records it, and beam still prints fairseq's output.
     ct2 runs too (it refused float16 on a CPU, after the models had loaded)."""
-    import fairseq_streambeam.loader as loader
+    from helpers import spy_loaded_dtypes
 
-    dtypes = []
-    real = loader.load_models
-
-    def spy(*a, **kw):
-        models = real(*a, **kw)
-        dtypes.extend(next(m.parameters()).dtype for m in models)
-        return models
-
-    monkeypatch.setattr(loader, "load_models", spy)
+    dtypes = spy_loaded_dtypes(monkeypatch)
     ct2 = ",ct2" if importlib.util.find_spec("ctranslate2") else ""  # float32 on a CPU (it has no float16 there)
     rows = _bench(tiny_run, tmp_path, "--methods", "fairseq,beam" + ct2, "--exact-ref", "fairseq", "--fp16",
                   "--no-plots")
-    assert [str(d) for d in dtypes] == ["torch.float16"]
+    assert dtypes == ["torch.float16"]
     assert rows[1]["identical_to_exact_ref"] == 1.0 and len(rows) == 2 + bool(ct2)
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["fp16"] is True
 

@@ -363,17 +363,9 @@ def test_token_masks_key_corpus_lines_across_shards(tiny_run, tmp_path):
 def test_fp16_halves_the_models_on_a_cpu_too(tiny_run, tmp_path, monkeypatch):
     """--fp16 did nothing without CUDA while the manifest said fp16; fairseq-generate --fp16 --cpu
     halves the models, and so does decode_corpus (serve loads through the same function)."""
-    import fairseq_streambeam.loader as loader
+    from helpers import spy_loaded_dtypes
 
-    dtypes = []
-    real = loader.load_models
-
-    def spy(*a, **kw):
-        models = real(*a, **kw)
-        dtypes.extend(str(next(m.parameters()).dtype) for m in models)
-        return models
-
-    monkeypatch.setattr(loader, "load_models", spy)
+    dtypes = spy_loaded_dtypes(monkeypatch)
     assert decode_main(_tiny_args(tiny_run, tmp_path / "out", "--fp16")) == 0
     assert dtypes == ["torch.float16"]
 
