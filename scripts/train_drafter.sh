@@ -45,8 +45,13 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; usage 2;;
   esac
 done
+need() { echo "$1" >&2; exit 2; }
+count() { [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || need "$1 must be a whole number of at least $3, not '$2'"; }
+count --lines "$lines" 0; count --block-size "$k" 1; count --decoder-layers "$layers" 1; count --beam "$beam" 1
+[[ "$minutes" =~ ^[0-9]*\.?[0-9]+$ ]] && awk "BEGIN{exit !($minutes > 0)}" || need "--minutes must be a number above 0, not '$minutes'"
+case "$bpe" in sentencepiece|none) ;; *) need "--bpe must be sentencepiece or none, not '$bpe'";; esac
 ar="$model_dir/$checkpoint"; dict_dir="${dict_dir:-$model_dir}"
-case "$device" in cpu) device_args=(--cpu);; cuda) device_args=();; *) echo "--device must be cpu or cuda" >&2; exit 2;; esac
+case "$device" in cpu) device_args=(--cpu);; cuda) device_args=();; *) need "--device must be cpu or cuda";; esac
 spm_args=(); seg_args=(--bpe none)
 if [ "$bpe" = sentencepiece ]; then
   spm_args=(--bpe sentencepiece --sentencepiece-model "$model_dir/spm8k.model")

@@ -524,3 +524,15 @@ def test_gad_without_a_drafter_object_is_refused():
     for kw in ({}, {"draft_lookup": "targets.txt"}):
         with pytest.raises(UsageError, match="needs drafter="):
             AggressiveGenerator([m], D, decoding="gad", **kw)
+
+
+@pytest.mark.parametrize("bad", [["--minutes", "0"], ["--minutes", "abc"], ["--lines", "-1"], ["--beam", "0"],
+                                 ["--block-size", "x"], ["--bpe", "fastbpe"]])
+def test_train_drafter_script_refuses_bad_values_in_one_line(tmp_path, bad):
+    """A time limit of 0 or a word used to reach fairseq-train as no limit at all; every count is
+    checked before anything runs or is written."""
+    r = run_cli(["bash", str(REPO / "scripts" / "train_drafter.sh"), "--model-dir", str(tmp_path / "none"), "--out",
+                 str(tmp_path / "out"), *bad],
+                cwd=str(REPO))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and bad[0] in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

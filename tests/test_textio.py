@@ -83,3 +83,28 @@ def test_distill_pairs_lines_split_at_newlines_only(tmp_path):
                  str(tmp_path / "out/train"), "-s", "de", "-t", "en", "--bpe", "none"]) == 0
     assert (tmp_path / "out/train.en").read_text().split("\n") == ["A B", "C D", ""]
     assert (tmp_path / "out/train.de").read_bytes().split(b"\n")[1] == b"c d"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "cannot read"), ("same-langs", "-s and -t name the same file suffix"),
+    ("no-spm", "needs --sentencepiece-model"), ("spm-missing", "no sentencepiece model at"),
+    ("out-unwritable", "cannot write"), ("count", "has 2 lines but"),
+])
+def test_distill_usage_mistakes_are_one_line_and_write_nothing(tmp_path, capsys, case, expected):
+    from fairseq_streambeam.drafters.distill import main
+
+    (tmp_path / "src").write_text("a b\nc d\n")
+    (tmp_path / "hyp").write_text("A B\n" if case == "count" else "A B\nC D\n")
+    (tmp_path / "file").write_text("")
+    args = {"--src": str(tmp_path / ("nope" if case == "missing" else "src")), "--hyp": str(tmp_path / "hyp"),
+            "--out-prefix": str(tmp_path / ("file/x" if case == "out-unwritable" else "out/train")),
+            "-s": "en" if case == "same-langs" else "de", "-t": "en", "--bpe": "none"}
+    if case in ("no-spm", "spm-missing"):
+        args["--bpe"] = "sentencepiece"
+    if case == "spm-missing":
+        args["--sentencepiece-model"] = str(tmp_path / "nope.model")
+    with pytest.raises(SystemExit) as e:
+        main([x for kv in args.items() for x in kv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()

@@ -9,15 +9,15 @@ Writes `PREFIX.S` / `PREFIX.T` segmented with the model's sentencepiece model (o
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from ..frontend import OneLineParser
 from ..textio import read_lines
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.drafters.distill",
+    p = OneLineParser(prog="python -m fairseq_streambeam.drafters.distill",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--src", required=True, help="raw source lines (the decoder's input)")
     p.add_argument("--hyp", required=True,
@@ -28,16 +28,21 @@ def main(argv=None) -> int:
     p.add_argument("--bpe", choices=["sentencepiece", "none"], default="sentencepiece")
     p.add_argument("--sentencepiece-model")
     a = p.parse_args(argv)
-    src, hyp = read_lines(a.src), read_lines(a.hyp)  # split at "\n" only, as decode_corpus writes them
+    if a.source_lang == a.target_lang:
+        p.error(f"-s and -t name the same file suffix ({a.source_lang}); the pairs need two")
+    if a.bpe == "sentencepiece" and not a.sentencepiece_model:
+        p.error("--bpe sentencepiece needs --sentencepiece-model")
+    try:
+        src, hyp = read_lines(a.src), read_lines(a.hyp)  # split at "\n" only, as decode_corpus writes them
+    except OSError as e:
+        p.error(f"cannot read {e.filename}: {e.strerror}")
     if len(src) != len(hyp):
-        print(f"error: {a.src} has {len(src)} lines but {a.hyp} has {len(hyp)}", file=sys.stderr)
-        return 2
+        p.error(f"{a.src} has {len(src)} lines but {a.hyp} has {len(hyp)}")
     if a.bpe == "sentencepiece":
-        if not a.sentencepiece_model:
-            print("error: --bpe sentencepiece needs --sentencepiece-model", file=sys.stderr)
-            return 2
         import sentencepiece as spm
 
+        if not Path(a.sentencepiece_model).is_file():
+            p.error(f"no sentencepiece model at {a.sentencepiece_model}")
         sp = spm.SentencePieceProcessor(model_file=a.sentencepiece_model)
 
         def seg(x: str) -> str:
@@ -45,17 +50,15 @@ def main(argv=None) -> int:
     else:
         def seg(x: str) -> str:
             return x.strip()
-    kept = 0
+    pairs = [(xs, ys) for xs, ys in ((seg(x), seg(y)) for x, y in zip(src, hyp)) if xs and ys]
     out = Path(a.out_prefix)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{out}.{a.source_lang}", "w", encoding="utf-8") as fs, \
-            open(f"{out}.{a.target_lang}", "w", encoding="utf-8") as ft:
-        for x, y in zip(src, hyp):
-            xs, ys = seg(x), seg(y)
-            if xs and ys:
-                fs.write(xs + "\n")
-                ft.write(ys + "\n")
-                kept += 1
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for lang, side in ((a.source_lang, 0), (a.target_lang, 1)):
+            Path(f"{out}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
+    except OSError as e:
+        p.error(f"cannot write {e.filename}: {e.strerror}")
+    kept = len(pairs)
     print(f"{kept} of {len(src)} pairs written to {out}.{{{a.source_lang},{a.target_lang}}}")
     return 0
 
