@@ -114,7 +114,6 @@ class DecodeSpec:
     stream_candidates: Optional[int] = None
     stream_window: int = 32
     max_wait_steps: int = 0
-    profile: bool = False  # CUDA: synchronize around model calls for an exact time split
     compile: bool = False  # the lean decoder layers through torch.compile (runtime.compiled)
     # scorers
     lmbr_posteriors: Optional[str] = None

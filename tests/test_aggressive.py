@@ -138,7 +138,6 @@ def test_batched_rows_draft_from_a_guessed_edit():
     dr.draft(st, batched=True)
     dr.update(st, [5, 7])  # 6 deleted: resume after 7
     assert dr.draft(st, batched=True) == [8, 9, 10]
-    assert InputCopyDrafter(guess_edits=False).draft(st, batched=True) == []
 
 
 def test_empty_source_and_refused_inputs():

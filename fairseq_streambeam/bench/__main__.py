@@ -13,6 +13,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -304,7 +305,7 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
     hypotheses by sentence and counters."""
     from fairseq.tasks.translation import TranslationTask
 
-    from fairseq_streambeam.drafters.oracle import NoDrafter, OracleDrafter
+    from fairseq_streambeam.drafters.oracle import OracleDrafter
 
     from .data import CorpusOrder, Head
 
@@ -316,8 +317,9 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
                                   unnormalized=False)
         gen = TranslationTask.build_generator(task, models, args)
     else:
-        drafter = OracleDrafter(oracle, v.block_size or 8) if v.decoding == "gad-oracle" else (
-            NoDrafter() if v.decoding == "no-draft" else None)
+        drafter = None  # an oracle that knows no output drafts nothing (no-draft)
+        if v.decoding in ("gad-oracle", "no-draft"):
+            drafter = OracleDrafter(oracle if v.decoding == "gad-oracle" else defaultdict(list), v.block_size or 8)
         gen = task.generator_for(models, spec, drafter=drafter, report_at_exit=False)  # the table reports them
     dataset = CorpusOrder(ts.dataset) if settings["corpus_order"] else ts.dataset
     batch_size = v.batch_size or settings["batch_size"]

@@ -31,15 +31,13 @@ class InputCopyDrafter(RowListDrafter):
     `vocab_map`: the target id of each source id when the dictionaries differ (drafts are target
     tokens), else None."""
 
-    def __init__(self, ngram: int = 2, block_size: int = 0, guess_edits: bool = True,
-                 vocab_map: Optional[List[int]] = None):
+    def __init__(self, ngram: int = 2, block_size: int = 0, vocab_map: Optional[List[int]] = None):
         if ngram < 1:
             raise ValueError(f"--iad-ngram must be >= 1, got {ngram}")
         if block_size < 0:
             raise ValueError(f"--block-size must be >= 1 (or 0 = the whole remaining source), got {block_size}")
         self.ngram = ngram
         self.block_size = block_size
-        self.guess_edits = guess_edits  # batched rows draft from a guessed realignment (see draft())
         self.vocab_map = vocab_map
 
     # ---- the cohort interface (drafters.base.Drafter): one CopyState per row ----
@@ -67,7 +65,7 @@ class InputCopyDrafter(RowListDrafter):
         unaligned row in a batch drafts from its guess: its slots are paid for anyway (the block is as
         wide as the widest draft); a lone row drafts nothing until an n-gram realigns it."""
         pos, st.from_guess = st.pos, False
-        if pos is None and batched and self.guess_edits and st.guess is not None:
+        if pos is None and batched and st.guess is not None:
             pos, st.from_guess = st.guess, True
         if pos is None:
             st.last = []

@@ -1,7 +1,7 @@
 """The two bounds of drafting, for the benchmark. `OracleDrafter` drafts each source's known output
 (e.g. greedy decoding's), so every draft token is accepted: the bound of any drafter with the same
-verifier, block size and hardware (method `gad-oracle`). `NoDrafter` drafts nothing: the generator's
-own cost as a greedy decoder, one token per pass (method `no-draft`)."""
+verifier, block size and hardware (method `gad-oracle`). Knowing no output, it drafts nothing: the
+generator's own cost as a greedy decoder, one token per pass (method `no-draft`)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,6 @@ from typing import Dict, List, Tuple
 from torch import Tensor
 
 from .base import RowListDrafter, pad_drafts
-
-
-class NoDrafter(RowListDrafter):
-    """Drafts nothing: every pass verifies only the row's last token (greedy decoding, one token per pass)."""
-
-    def open(self, srcs, rows: List[int]) -> List[List[int]]:
-        self.pad, self.device = srcs.pad, srcs.device
-        return [[] for _ in rows]  # the state: an empty draft per row
-
-    def propose(self, state: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
-        return pad_drafts(state, self.pad, self.device)
-
-    def advance(self, state: List[List[int]], accepted: List[List[int]]) -> None:
-        pass
 
 
 class OracleDrafter(RowListDrafter):

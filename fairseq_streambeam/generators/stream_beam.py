@@ -282,9 +282,9 @@ class StreamBeamGenerator(SequenceGenerator):
         their encoder keys now, so they can join a cohort of sources at other steps."""
         if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
             new = sorted(new, key=lambda i: -srcs.lengths[i])
-        t = self._tick()
+        t = time.perf_counter()
         enc = forward_encoder(self.model, srcs.subset_input(new))
-        self.counters.model_seconds += self._tick() - t
+        self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
         device, dtype = srcs.device, torch.float32
         state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
@@ -330,7 +330,7 @@ class StreamBeamGenerator(SequenceGenerator):
     def _score(self, c: BeamCohort, live: LiveRows) -> Tuple[Tensor, Optional[Tensor]]:
         """Log-probs [live rows, V] of the next token, as fairseq adjusts them (LM fusion, its
         penalties), plus the scorers' terms; and the step's attention (alignment only)."""
-        t = self._tick()
+        t = time.perf_counter()
         step_attn = None
         if c.ragged or self.lean_steps:  # caches primed with their encoder keys at admission
             lprobs = self._block_lprobs(c, live)
@@ -340,7 +340,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if self.lm_model is not None:  # shallow fusion as fairseq does it: the LM reads the whole prefix
             lm_out = self.lm_model(live.tokens)
             lprobs = lprobs + self.lm_weight * self.lm_model.get_normalized_probs(lm_out, log_probs=True)[:, -1, :]
-        self.counters.count_step(c.steps, live.tokens.size(0), self._tick() - t, c.src_width,
+        self.counters.count_step(c.steps, live.tokens.size(0), time.perf_counter() - t, c.src_width,
                                  int(c.src.src_len[c.cache_src_h].sum()))
         c.cache.after_step()
         if c.ragged:
@@ -544,11 +544,6 @@ class StreamBeamGenerator(SequenceGenerator):
         scores = torch.tensor([float(h["score"].item()) for h in hypos])
         _, order = torch.sort(scores, descending=True)
         return [hypos[i] for i in order]
-
-    def _tick(self) -> float:
-        if self.spec.profile and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
 
 def _widen(b: Beams, length: int, pad: int) -> Beams:

@@ -5,7 +5,8 @@ candidates through reordering, merges and refill."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Protocol, Sequence
+import json
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -52,15 +53,25 @@ def whole(value, what: str) -> int:
     return value
 
 
-def first_record(seen: Dict[int, int], sid: int, path: str, line: int) -> None:
-    """Sentence `sid` has no record before line `line` of `path` (a second one would replace it)."""
-    if sid in seen:
-        raise ValueError(f"{path}:{line}: sentence {sid} already has a record (line {seen[sid]})")
-    seen[sid] = line
-
-
-def check_ids(path: str, line: int, ids: List[int], vocab: Optional[int]) -> None:
-    """Token ids read from line `line` of `path` lie in a dictionary of `vocab` entries."""
-    bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"{path}:{line}: token id {bad[0]} is not in the target dictionary ({vocab} entries)")
+def read_records(path: str, what: str, parse: Callable[[dict], Tuple[int, Any, List[int]]],
+                 vocab: Optional[int]) -> Dict[int, Any]:
+    """Sentence id -> value from a JSON-lines file, blank lines skipped. `parse(record)` gives (id,
+    value, token ids) or raises ValueError/KeyError/TypeError, reported as `path:line: not a {what}
+    record (...)`; each sentence has one record, and with `vocab` its token ids lie in 0..vocab-1."""
+    out: Dict[int, Any] = {}
+    seen: Dict[int, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                sid, value, ids = parse(json.loads(line))
+            except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError too
+                raise ValueError(f"{path}:{ln}: not a {what} record ({e})") from None
+            if sid in seen:
+                raise ValueError(f"{path}:{ln}: sentence {sid} already has a record (line {seen[sid]})")
+            bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{path}:{ln}: token id {bad[0]} is not in the target dictionary ({vocab} entries)")
+            seen[sid], out[sid] = ln, value
+    return out

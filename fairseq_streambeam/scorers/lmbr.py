@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import check_ids, first_record, whole
+from .base import read_records, whole
 
 NGram = Tuple[int, ...]
 MAX_ORDER = 4
@@ -49,25 +49,15 @@ class Theta:
 def load_posteriors(path: str, vocab: Optional[int] = None) -> Dict[int, Dict[NGram, float]]:
     """JSON lines `{"id": sentence id, "ngrams": [[[token ids], posterior], ...]}` (see build_posteriors);
     with `vocab`, every token id must be one of the target dictionary's (0..vocab-1)."""
-    out: Dict[int, Dict[NGram, float]] = {}
-    seen: Dict[int, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                sid = whole(rec["id"], "id")
-                post = {tuple(whole(t, "token id") for t in g): float(p) for g, p in rec["ngrams"]}
-                bad = [p for p in post.values() if not (math.isfinite(p) and p >= 0)]
-                if bad:
-                    raise ValueError(f"posterior {bad[0]} is not a finite number >= 0")
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{ln}: not a posterior record ({e})") from None
-            first_record(seen, sid, path, ln)
-            check_ids(path, ln, [t for g in post for t in g], vocab)
-            out[sid] = post
-    return out
+
+    def parse(rec: dict):
+        post = {tuple(whole(t, "token id") for t in g): float(p) for g, p in rec["ngrams"]}
+        bad = [p for p in post.values() if not (math.isfinite(p) and p >= 0)]
+        if bad:
+            raise ValueError(f"posterior {bad[0]} is not a finite number >= 0")
+        return whole(rec["id"], "id"), post, [t for g in post for t in g]
+
+    return read_records(path, "posterior", parse, vocab)
 
 
 class _Table:

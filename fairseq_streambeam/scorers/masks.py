@@ -4,14 +4,13 @@ list per sentence), applied to a batch of live candidates with one gather/scatte
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .base import check_ids, first_record, whole
+from .base import read_records, whole
 
 Mask = Tuple[str, List[int]]  # ("allow" | "ban", token ids)
 
@@ -19,25 +18,15 @@ Mask = Tuple[str, List[int]]  # ("allow" | "ban", token ids)
 def load_masks(path: str, vocab: Optional[int] = None) -> Dict[int, Mask]:
     """JSON lines `{"id": sentence id, "allow": [ids]}` or `{"id": ..., "ban": [ids]}`; with `vocab`,
     every token id must be one of the target dictionary's (0..vocab-1)."""
-    out: Dict[int, Mask] = {}
-    seen: Dict[int, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                kinds = [k for k in ("allow", "ban") if k in rec] if isinstance(rec, dict) else []
-                if len(kinds) != 1 or "id" not in rec or not isinstance(rec[kinds[0]], list):
-                    raise ValueError('a mask record has an "id" and exactly one list "allow" or "ban"')
-                sid = whole(rec["id"], "id")
-                toks = [whole(t, "token id") for t in rec[kinds[0]]]
-            except ValueError as e:  # json.JSONDecodeError too
-                raise ValueError(f"{path}:{ln}: not a mask record ({e})") from None
-            first_record(seen, sid, path, ln)
-            check_ids(path, ln, toks, vocab)
-            out[sid] = (kinds[0], toks)
-    return out
+
+    def parse(rec):
+        kinds = [k for k in ("allow", "ban") if k in rec] if isinstance(rec, dict) else []
+        if len(kinds) != 1 or "id" not in rec or not isinstance(rec[kinds[0]], list):
+            raise ValueError('a mask record has an "id" and exactly one list "allow" or "ban"')
+        toks = [whole(t, "token id") for t in rec[kinds[0]]]
+        return whole(rec["id"], "id"), (kinds[0], toks), toks
+
+    return read_records(path, "mask", parse, vocab)
 
 
 class TokenMaskScorer:
