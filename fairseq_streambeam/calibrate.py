@@ -193,11 +193,11 @@ def _span(text: Optional[str], name: str) -> Optional[Tuple[int, int]]:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from .bench.data import add_input_args
-    from .frontend import OneLineParser
+    from .frontend import DefaultsHelp, OneLineParser
     from .scorers.build_posteriors import add_evidence_args
 
     p = OneLineParser(prog="streambeam-calibrate", description=__doc__.split("\n\n")[0],
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=DefaultsHelp)
     p.add_argument("--data", required=True, help="fairseq data-bin (or a directory with the dictionaries)")
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
@@ -212,8 +212,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g = p.add_argument_group("decoding")
     g.add_argument("--decoding", default="var-stream", choices=["var-stream", "var-batch", "beam", "fixed-stream"],
                    help="var-*: calibrate pruning (and LMBR with --nbest); beam, fixed-stream: LMBR only")
-    g.add_argument("--beam", type=int, default=5)
-    g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--beam", type=int, default=5, help="k: the widest beam")
+    g.add_argument("--batch-size", type=int, default=64, help="sources decoded together")
     g.add_argument("--max-tokens", type=int)
     g.add_argument("--lenpen", type=float, default=1.0)
     g.add_argument("--max-len-b", type=int, default=200)
@@ -231,7 +231,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--alphas", type=float, nargs="+", default=[1.0], help="evidence score scales")
     g.add_argument("--lambdas", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="NMT weights")
     g.add_argument("--theta0s", type=float, nargs="+", default=[-1.0, -0.5, 0.0], help="per-word constants Theta0")
-    g.add_argument("--lmbr-search", choices=["grid", "coordinate"], default="coordinate")
+    g.add_argument("--lmbr-search", choices=["grid", "coordinate"], default="coordinate",
+                   help="every alpha x lambda x theta0, or one weight at a time from --lmbr-start")
     g.add_argument("--lmbr-start", type=float, nargs=3, metavar=("ALPHA", "LAMBDA", "THETA0"),
                    help="coordinate search's start (default: each grid's middle)")
     g.add_argument("--rounds", type=int, default=3, help="coordinate search: at most this many rounds")
@@ -250,7 +251,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def check_args(a: argparse.Namespace) -> None:
     """Mistakes found before any model loads."""
-    from .spec import is_checkpoint_file
+    from .spec import model_files_problem
     from .textio import bpe_problem, file_problem
 
     if a.beam < 1:
@@ -269,23 +270,18 @@ def check_args(a: argparse.Namespace) -> None:
             raise CalibrationError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if not os.path.isdir(a.data):
         raise CalibrationError(f"--data {a.data}: no such directory")
-    for lang in (a.source_lang, a.target_lang):
-        if not os.path.isfile(os.path.join(a.data, f"dict.{lang}.txt")):
-            raise CalibrationError(f"--data {a.data}: no dict.{lang}.txt there")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise CalibrationError(f"--out {a.out}: not a directory")
     if a.src and not a.ref:
         raise CalibrationError("--src needs --ref: calibration scores BLEU against a reference")
-    for name, path in [("--path", ckpt) for ckpt in a.path.split(":")] + [("--src", a.src), ("--ref", a.ref)]:
-        problem = path and file_problem(name, path)
-        if problem:
-            raise CalibrationError(problem)
+    problem = model_files_problem(a.data, (a.source_lang, a.target_lang), a.path)
+    for name, path in (("--src", a.src), ("--ref", a.ref)):
+        problem = problem or (path and file_problem(name, path))
+    if problem:
+        raise CalibrationError(problem)
     problem = bpe_problem(a.bpe, a.bpe_codes, a.sentencepiece_model) if a.src else None
     if problem:
         raise CalibrationError(problem)
-    for ckpt in a.path.split(":"):
-        if not is_checkpoint_file(ckpt):
-            raise CalibrationError(f"--path {ckpt}: not a fairseq checkpoint")
     if not DECODINGS[a.decoding].variable and not a.nbest:
         raise CalibrationError(f"--decoding {a.decoding} has no pruning to calibrate: give --nbest evidence to tune "
                                "LMBR, or use --decoding var-stream")

@@ -3,6 +3,7 @@ reported in one line; their meaning and validation live in spec.py (`DecodeSpec`
 
 import dataclasses
 import math
+import multiprocessing
 import os
 import sys
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import List, Optional
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
-from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, from_cli
+from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, from_cli, model_files_problem
 
 DECODING_CHOICES = ChoiceEnum(list(DECODINGS))
 ORDER_CHOICES = ChoiceEnum([o for o in ORDERS if o != "fifo"])  # fifo (paper A.2): a bench variant
@@ -112,6 +113,8 @@ def install_usage_error_hook() -> None:
             print(f"{prog}: error: {value}", file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
+            for child in multiprocessing.active_children():  # e.g. fairseq-generate's data-loader worker,
+                child.terminate()  # which would print a traceback of its own when its connection drops
             os._exit(2)  # argparse's status for a usage error (an excepthook cannot raise SystemExit)
         else:
             previous(kind, value, tb)
@@ -132,8 +135,9 @@ def refuse_id_keyed_files(spec) -> None:
 def check_at_parse_time(parser) -> None:
     """Make fairseq's `parser` (with the task's options) build the decoding spec right after parsing
     and report a bad option in one line with exit status 2, as argparse does (not fairseq's hundreds
-    of lines of usage), before a model loads. Files are checked later, when the task is built (a
-    script may write them after parsing)."""
+    of lines of usage), before a model loads. fairseq-generate's and -interactive's checkpoints and
+    dictionaries are checked too (they load next); the decoding's own files later, when the task is
+    built (a script may write them after parsing)."""
     parse = parser.parse_known_args
 
     def parse_and_check(args=None, namespace=None):
@@ -142,8 +146,14 @@ def check_at_parse_time(parser) -> None:
             spec = from_cli(ns, ns)
             if hasattr(ns, "buffer_size"):  # fairseq-interactive's parser (its --buffer-size)
                 refuse_id_keyed_files(spec)
+            if hasattr(ns, "path") and hasattr(ns, "beam"):  # generate/interactive: the models load next
+                problem = model_files_problem(ns.data, (ns.source_lang, ns.target_lang), ns.path)
+                if problem:
+                    raise UsageError(problem)
         except UsageError as e:
             parser.exit(2, f"{parser.prog}: error: {e}\n")
         return ns, extra
 
     parser.parse_known_args = parse_and_check
+    # argparse's own mistakes (a bad choice, a bad number) in one line too, not after fairseq's usage
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -325,6 +326,29 @@ def is_checkpoint_file(path: str) -> bool:
         return True
     with open(path, "rb") as f:
         return f.read(1) == b"\x80"
+
+
+def model_files_problem(data: Optional[str], langs: Tuple[Optional[str], ...], path: Optional[str]) -> Optional[str]:
+    """Why a model cannot load, in one line (None: it can): no `--path`, one of its checkpoints
+    (split at os.pathsep, as fairseq does) not a file torch.save wrote, or a language's dictionary
+    missing from the first of `data`'s directories (where fairseq's translation task reads them).
+    URLs (fairseq's `://` paths) are left to fairseq."""
+    if not path:
+        return "--path is required: the model's checkpoint (colon-separated for an ensemble)"
+    for ckpt in [] if "://" in path else path.split(os.pathsep):
+        try:
+            problem = file_problem("--path", ckpt) or (
+                None if is_checkpoint_file(ckpt) else f"--path {ckpt}: not a checkpoint (a file written by torch.save)")
+        except OSError as e:
+            problem = f"--path {ckpt}: cannot read ({e.strerror})"
+        if problem:
+            return problem.replace(": no such file", ": no such checkpoint") + (
+                "; name the checkpoint file in it" if os.path.isdir(ckpt) else "")
+    first = data.split(os.pathsep)[0] if data and "://" not in data else None
+    if first and not os.path.isdir(first):
+        return f"{first}: no such directory (the model's data-bin or dictionaries)"
+    missing = [lang for lang in langs if first and lang and not os.path.isfile(os.path.join(first, f"dict.{lang}.txt"))]
+    return f"{first}: no dict.{missing[0]}.txt there" if missing else None
 
 
 def flag(name: str) -> str:

@@ -10,6 +10,7 @@ from helpers import BIN, REPO, run_cli
 
 from fairseq_streambeam.bench.__main__ import main as bench_main
 from fairseq_streambeam.bench.variants import expand_sweep, load_config, parse_methods
+from fairseq_streambeam.spec import UsageError
 
 ALL = "fairseq,fairseq-greedy,beam,greedy,var-batch,var-stream,fifo,fixed-stream"
 
@@ -93,7 +94,7 @@ def test_aggressive_methods_in_the_harness(tiny_run, tiny_drafter, tmp_path):
     assert by["gad-oracle"]["accepted_per_pass"] > by["iad"]["accepted_per_pass"]
     # without drafts the generator decodes greedily, one token per row and pass
     assert by["no-draft"]["identical_to_exact_ref"] >= 0.95 and by["no-draft"]["accepted_per_pass"] == 1.0
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="the gad methods need --drafter"):
         _bench(tiny_run, tmp_path / "x", "--methods", "gad", "--beam", "1")  # no --drafter
 
 
@@ -106,7 +107,7 @@ def test_lookup_drafter_in_the_harness(tiny_run, tmp_path):
     assert {"gad-lookup", "gad-lookup[draft_switch=false]", "no-draft"} <= set(by)
     for name in ("gad-lookup", "gad-lookup[draft_switch=false]"):
         assert by[name]["identical_to_exact_ref"] >= 0.95 and by[name]["accepted_per_pass"] >= 1, name
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="the gad-lookup methods need --draft-lookup"):
         _bench(tiny_run, tmp_path / "x", "--methods", "gad-lookup", "--beam", "1")  # no --draft-lookup
 
 
@@ -275,15 +276,19 @@ def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decodi
     (["--config", "{tmp}/none.json"], "--config {tmp}/none.json: No such file or directory"),
     (["--config", "{tmp}/bad.json"], "--config {tmp}/bad.json: Expecting property name"),
     (["--path", "{tmp}/none.pt"], "--path {tmp}/none.pt: no such checkpoint"),
+    (["--path", "{tmp}"], "--path {tmp}: not a regular file; name the checkpoint file in it"),
+    (["-t", "fr"], "{data}: no dict.fr.txt there"),
+    (["--methods", "gad"], "the gad methods need --drafter"),
     (["--gen-subset", "nosuch"], "--gen-subset nosuch: Dataset not found"),
 ])
 def test_usage_mistakes_are_one_line(tiny_run, tmp_path, extra, message):
     """Each was a traceback (ValueError, FileNotFoundError, OSError from fairseq's loader)."""
     (tmp_path / "bad.json").write_text("{beam: 5}")
     extra = [x.format(tmp=tmp_path) for x in extra]
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         _bench(tiny_run, tmp_path / "out", "--methods", "beam", *extra)
-    assert str(e.value).startswith(message.format(tmp=tmp_path)) and "\n" not in str(e.value)
+    assert str(e.value).startswith(message.format(tmp=tmp_path, data=tiny_run[0])) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists() or "gen-subset" in extra[0]
 
 
 def test_an_option_a_decoding_refuses_is_one_line_from_the_command(tiny_run, tmp_path):
@@ -291,5 +296,5 @@ def test_an_option_a_decoding_refuses_is_one_line_from_the_command(tiny_run, tmp
     r = run_cli([str(BIN / "python"), "-m", "fairseq_streambeam.bench", "--data", str(data), "--path", str(ckpt),
                  "-s", "src", "-t", "tgt", "--out", str(tmp_path), "--quiet", "--limit", "2", "--methods", "beam",
                  "--beam", "0"], cwd=REPO)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == "python -m fairseq_streambeam.bench: error: --beam must be >= 1, got 0"

@@ -103,10 +103,10 @@ def test_fairseq_option_mistakes_are_one_line(tmp_path):
     data, ckpt = str(m / "data-bin"), str(m / "checkpoint_best.pt")
     base = ["-s", "de", "-t", "en", "--cpu", "--batch-size", "1"]
     cases = [
-        (["/nonexistent", "--path", ckpt], "No such file or directory"),
-        ([data, "--path", str(tmp_path / "missing.pt")], "Model file not found"),
+        (["/nonexistent", "--path", ckpt], "/nonexistent: no such directory"),
+        ([data, "--path", str(tmp_path / "missing.pt")], "missing.pt: no such checkpoint"),
         ([data, "--path", ckpt, "--gen-subset", "nosuch"], "Dataset not found: nosuch"),
-        ([data], "--path required"),
+        ([data], "--path is required"),
         ([data, "--path", ckpt, "--bpe", "sentencepiece"], "--sentencepiece-model"),
         # the plugin's own, found when a source is decoded: a 5-token source's limit below --min-len
         ([data, "--path", ckpt, "--max-len-a", "2", "--max-len-b", "0", "--min-len", "11"],
@@ -117,3 +117,17 @@ def test_fairseq_option_mistakes_are_one_line(tmp_path):
         errors = [x for x in r.stderr.splitlines() if "error:" in x]
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
         assert len(errors) == 1 and text in errors[0], (args, r.stderr[-2000:])
+
+
+def test_an_error_found_while_decoding_is_one_line_with_a_data_loader_worker(tmp_path):
+    """fairseq-generate's data-loader worker (--num-workers 1, its default) printed a
+    ConnectionResetError traceback after the one-line error in most runs: the process ended
+    under it. A source's --min-len limit can only be found while decoding."""
+    m = shared_path("models", "deen-tiny")
+    args = [str(BIN / "fairseq-generate"), str(m / "data-bin"), "--path", str(m / "checkpoint_best.pt"),
+            "--user-dir", PLUGIN_DIR, "--task", TASK, "-s", "de", "-t", "en", "--cpu", "--batch-size", "8",
+            "--num-workers", "1", "--match-source-len", "--min-len", "12"]
+    for _ in range(3):
+        r = run_cli(args, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert [x for x in r.stderr.splitlines() if "error:" in x][0].endswith("allowed by --match-source-len")

@@ -5,6 +5,7 @@ reported as one line `prog: error: ...` with exit status 2. The Python API raise
 from __future__ import annotations
 
 import pytest
+import torch
 from fairseq import options
 from helpers import REPO
 
@@ -53,6 +54,8 @@ CASES = [
     (["--decoding", "iad", "--stream-admit", "longest-first"], "--stream-admit applies to var-stream and fixed-stream"),
     (["--decoding", "iad", "--max-wait-steps", "3"], "--max-wait-steps applies to var-stream and fixed-stream"),
     (["--decoding", "var-stream", "--lmbr-p", "0"], "--lmbr-p must be in (0, 1]"),
+    (["--decoding", "var_stream"], "argument --decoding: invalid choice: 'var_stream'"),  # not fairseq's usage
+    (["--decoding", "beam", "--stream-window", "x"], "argument --stream-window: invalid int value"),
 ]
 
 
@@ -67,9 +70,32 @@ def test_bad_option_is_one_line_before_the_model_loads(tmp_path, capsys, flags, 
 
 
 def test_good_options_parse(tmp_path):
+    torch.save({}, tmp_path / "no-such-checkpoint.pt")  # the one check of files made when parsing
     args = parse(tmp_path, "--decoding", "var-stream", "--beam", "5", "--nbest", "5", "--prune-abs-threshold", "2",
                  "--no-repeat-ngram-size", "3")
     assert args.decoding == "var-stream" and args.prune_abs_threshold == 2.0 and args.no_repeat_ngram_size == 3
+
+
+@pytest.mark.parametrize("command", ["generate", "interactive"])
+@pytest.mark.parametrize("case,message", [
+    ("no --path", "--path is required"), ("a directory", "not a regular file; name the checkpoint file in it"),
+    ("a text file", "not a checkpoint (a file written by torch.save)"), ("missing", "no-such.pt: no such checkpoint"),
+    ("no dictionary", "no dict.fr.txt there"),
+])
+def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys, command, case, message):
+    """fairseq-interactive without --path, or either command with a directory for it, ended in a
+    traceback; a missing dictionary came after the whole configuration was logged."""
+    torch.save({}, tmp_path / "model.pt")
+    (tmp_path / "dict.de.txt").write_text("")
+    path = {"no --path": None, "a directory": str(tmp_path), "a text file": text_file(tmp_path),
+            "missing": f"{tmp_path / 'model.pt'}:{tmp_path / 'no-such.pt'}"}.get(case, str(tmp_path / "model.pt"))
+    parser = options.get_generation_parser() if command == "generate" else options.get_interactive_generation_parser()
+    flags = [str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation", "-s", "de", "-t",
+             "fr" if case == "no dictionary" else "de"] + ([] if path is None else ["--path", path])
+    with pytest.raises(SystemExit) as exit_:
+        options.parse_args_and_arch(parser, input_args=flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and message in err[0], err
 
 
 @pytest.mark.parametrize("options,message", [

@@ -134,10 +134,11 @@ def option_args(flag: str) -> List[str]:
 
 def parse(tmp_path, decoding: str, args: List[str]):
     extra = ["--draft-lookup", str(tmp_path / "lookup.txt")] if decoding == "gad" else []
+    torch.save({}, tmp_path / "model.pt")  # parsing checks that the checkpoint is one, not what it holds
     parser = options.get_generation_parser()
     return options.parse_args_and_arch(parser, input_args=[
         str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation", "--path",
-        str(tmp_path / "no-such-checkpoint.pt"), "--decoding", decoding, *extra, *args])
+        str(tmp_path / "model.pt"), "--decoding", decoding, *extra, *args])
 
 
 @pytest.mark.parametrize("flag", sorted(BY_FLAG))

@@ -20,7 +20,8 @@ from typing import Any, Dict, Optional
 import torch
 from fairseq import utils
 
-from ..spec import DECODINGS, DecodeSpec, UsageError
+from ..frontend import OneLineParser
+from ..spec import DECODINGS, DecodeSpec, UsageError, model_files_problem
 from .data import add_input_args
 from .variants import BUILTIN, Variant, load_config, parse_methods
 
@@ -30,10 +31,11 @@ DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=20
                 draft_lookup=None, corpus_order=False, lmbr_lambda=None, lmbr_theta0=None, lmbr_p=0.85, lmbr_r=0.72,
                 fp16=False)
 
+PROG = "python -m fairseq_streambeam.bench"
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_streambeam.bench",
-                                description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="fairseq data-bin (or a directory with the dictionaries)")
     p.add_argument("--path", required=True, help="checkpoint(s), colon-separated for an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
@@ -84,21 +86,21 @@ def resolve(args):
     try:
         config, variants = load_config(args.config) if args.config else ({}, [])
     except OSError as e:
-        raise SystemExit(f"--config {args.config}: {e.strerror}") from None
+        raise UsageError(f"--config {args.config}: {e.strerror}") from None
     except ValueError as e:  # not JSON, or a variant that does not exist
-        raise SystemExit(f"--config {args.config}: {e}") from None
+        raise UsageError(f"--config {args.config}: {e}") from None
     settings = {}
     for key, default in DEFAULTS.items():
         cli = getattr(args, key, None)
         settings[key] = cli if cli is not None else config.get(key, default)
     unknown = set(config) - set(DEFAULTS)
     if unknown:
-        raise SystemExit(f"{args.config}: unknown settings {sorted(unknown)}")
+        raise UsageError(f"{args.config}: unknown settings {sorted(unknown)}")
     if args.methods or not variants:
         try:
             variants = parse_methods(settings["methods"])
         except ValueError as e:
-            raise SystemExit(f"--methods: {e}") from None
+            raise UsageError(f"--methods: {e}") from None
     return settings, variants
 
 
@@ -117,6 +119,15 @@ def main(argv=None):
     from .memory import PeakMemory
     from .report import markdown_table, write_plots
 
+    problem = model_files_problem(args.data, (args.source_lang, args.target_lang), args.path)
+    if args.src and not args.ref:
+        problem = "--src needs --ref"
+    if any(v.decoding == "gad" and not v.lookup for v in variants) and not settings["drafter"]:
+        problem = "the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)"
+    if any(v.lookup for v in variants) and not settings["draft_lookup"]:
+        problem = "the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)"
+    if problem:
+        raise UsageError(problem)
     use_cuda = wants_cuda(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -124,21 +135,16 @@ def main(argv=None):
           f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
           f"{'cuda' if use_cuda else 'cpu'}{' | fp16' if settings['fp16'] else ''}", flush=True)
 
-    for path in args.path.split(":"):
-        if not os.path.isfile(path):
-            raise SystemExit(f"--path {path}: no such checkpoint")
     task = load_task(args.data, args.source_lang, args.target_lang)
     models = load_models(task, args.path, use_cuda, settings["fp16"])
     if args.src:
-        if not args.ref:
-            raise SystemExit("--src needs --ref")
         ts = bench_data.from_raw(task, args.src, args.ref, settings["limit"], args.tokenizer, args.bpe,
                                  args.bpe_codes, args.sentencepiece_model)
     else:
         try:
             ts = bench_data.from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
         except FileNotFoundError as e:  # fairseq: "Dataset not found: SPLIT (DIR)"
-            raise SystemExit(f"--gen-subset {args.gen_subset}: {e}") from None
+            raise UsageError(f"--gen-subset {args.gen_subset}: {e}") from None
     n = len(ts.dataset)
     order = "corpus order" if settings["corpus_order"] else "length-sorted"
     z = settings["finish_count"] or "k"
@@ -146,10 +152,6 @@ def main(argv=None):
           f"({order}), sticky finish count {z}, {settings['repeats']} repeat(s): "
           f"{', '.join(v.name for v in variants)}", flush=True)
 
-    if any(v.decoding == "gad" and not v.lookup for v in variants) and not settings["drafter"]:
-        raise SystemExit("the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)")
-    if any(v.lookup for v in variants) and not settings["draft_lookup"]:
-        raise SystemExit("the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)")
     lmbr_file = _subset_posteriors(args, variants, ts, out_dir)
     if lmbr_file:
         task.lmbr_posteriors(lmbr_file)  # parsed once, before the timed repeats (the task keeps them)
@@ -238,7 +240,7 @@ def _subset_posteriors(args, variants, ts, out_dir: Path):
     if not any(v.lmbr for v in variants):
         return None
     if not args.lmbr_posteriors:
-        raise SystemExit("the *+lmbr methods need --lmbr-posteriors")
+        raise UsageError("the *+lmbr methods need --lmbr-posteriors")
     from fairseq_streambeam.scorers.lmbr import load_posteriors, write_posteriors
 
     post = load_posteriors(args.lmbr_posteriors)
@@ -352,7 +354,7 @@ def _ct2_translator(args, variants, threads, use_cuda: bool, fp16: bool = False)
         import ctranslate2
         from ctranslate2.converters import FairseqConverter
     except ImportError as e:
-        raise SystemExit("method ct2 needs `pip install ctranslate2`") from e
+        raise UsageError("method ct2 needs `pip install ctranslate2`") from e
     paths = args.path.split(":")
     if len(paths) > 1:
         print("ct2: CTranslate2 converts one checkpoint; using the first of the ensemble", flush=True)
@@ -375,7 +377,7 @@ def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: 
     budget = dict(max_batch_size=bs, batch_type="examples") if bs else dict(
         max_batch_size=settings["max_tokens"], batch_type="tokens")
     if settings["corpus_order"] and not bs:
-        raise SystemExit("--corpus-order with ct2 needs --batch-size")
+        raise UsageError("--corpus-order with ct2 needs --batch-size")
     src = ts.src_symbols[:bs or 16] if first_batch else ts.src_symbols
     step = bs if settings["corpus_order"] else max(1, len(src))
     res = []
@@ -390,5 +392,6 @@ def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: 
 if __name__ == "__main__":
     try:
         main()
-    except UsageError as e:  # a decoding's option out of range (--beam 0), found when its spec is built
-        sys.exit(f"python -m fairseq_streambeam.bench: error: {e}")
+    except UsageError as e:  # a mistake in the options, found before any model loads
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
