@@ -15,7 +15,6 @@ meet at a gloo barrier and rank 0 merges, otherwise whichever worker finds all s
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .frontend import (
+    DefaultsHelp,
     OneLineParser,
     add_generation_options,
     add_model_options,
@@ -64,11 +64,11 @@ def parse_args(argv=None):
     """The command line, checked before anything loads or is written: a usage mistake is one line
     `prog: error: ...` and exit status 2."""
     p = OneLineParser(prog="streambeam-decode-corpus", description=__doc__.split("\n\n")[0],
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=DefaultsHelp)
     p.add_argument("--input", nargs="+", required=True, help="raw text file(s), read as one stream of lines")
-    p.add_argument("--output-dir", required=True)
+    p.add_argument("--output-dir", required=True, help="shards, their records, output.txt and manifest.json")
     add_model_options(p)
-    p.add_argument("--shard-lines", type=int, default=100_000)
+    p.add_argument("--shard-lines", type=int, default=100_000, help="input lines per shard (the unit of resuming)")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even when present")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_generation_options(p.add_argument_group("fairseq-generate's generation options (--nbest N writes the N "
@@ -228,6 +228,9 @@ def bad_input_summary(bad: Dict[str, float]) -> str:
 # ---- decoding -----------------------------------------------------------------------------------
 
 
+UNK_WARNING = 0.2  # share of unknown source tokens that makes a shard's segmentation suspect
+
+
 class ShardDecoder:
     """Loads the model once per worker and decodes shards of raw lines to detokenized lines."""
 
@@ -240,6 +243,7 @@ class ShardDecoder:
         # a line is cut to the model's positions, and to --max-tokens, which batches no longer sentence
         self.max_src = min([m.max_positions()[0] for m in self.models] + [args.max_tokens or math.inf])
         self.gen = None  # built once, at the first shard (batching sets the live budget first)
+        self.warned = False  # about unknown source tokens (_check_segmentation)
 
     def decode(self, raw: List[bytes], progress, first: int = 0) -> Tuple[List[str], dict, dict]:
         """Detokenized best hypotheses of lines `raw` (the corpus's lines from `first` on, whose
@@ -263,6 +267,7 @@ class ShardDecoder:
                 ids[-1] = self.codec.src_dict.eos()
                 bad["too_long"] += 1
             src.append(ids)
+        self._check_segmentation(src)
         ds = LanguagePairDataset(src, [len(x) for x in src], self.task.source_dictionary,
                                  tgt_dict=self.task.target_dictionary)
         itr = self.task.get_batch_iterator(ds, max_sentences=self.args.batch_size, max_tokens=self.args.max_tokens,
@@ -284,6 +289,17 @@ class ShardDecoder:
         counters = {k: round(after[k] - before[k], 3) for k in after
                     if isinstance(after[k], (int, float)) and k in _ADDITIVE}
         return [out[i] for i in range(len(raw))], counters, bad
+
+    def _check_segmentation(self, src: List) -> None:
+        """Warn once when a shard's source tokens are mostly unknown to the dictionary: the text is
+        not segmented as the model's (--tokenizer, --bpe, --sentencepiece-model), and the output
+        would be garbage with nothing else to show it."""
+        d = self.codec.src_dict
+        unk, total = sum(int(ids[:-1].eq(d.unk()).sum()) for ids in src), sum(len(ids) - 1 for ids in src)
+        if not self.warned and total and unk > UNK_WARNING * total:
+            self.warned = True
+            print(f"warning: {unk / total:.0%} of the source tokens are not in the model's dictionary: is the input "
+                  "segmented as the model's (--tokenizer, --bpe, --sentencepiece-model)?", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import os
 import typing
 
 from .options import plugin_fields
-from .spec import DECODINGS, UsageError, check_files, from_cli, is_checkpoint_file
+from .spec import DECODINGS, UsageError, check_files, from_cli, model_files_problem
 from .textio import BPES, bpe_problem, tokenizers
 
 # the front ends' default and choices for the task's --decoding: streaming by default, and not
@@ -33,6 +32,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, unless the help states its own (a default that depends on
+    the decoding is None or inf in the parser) or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "default" in text or action.default in (None, False) else super()._get_help_string(action)
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """The model, its dictionaries and text processing, the live budget, threads and precision
     (the decoding options: add_generation_options and add_task_options)."""
@@ -45,7 +53,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bpe-codes")
     p.add_argument("--sentencepiece-model")
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (the paper's n)")
-    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--max-tokens", type=int, help="most source tokens decoded together (with --batch-size)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--fp16", action="store_true", help="half-precision models (model.half(), as fairseq-generate "
                    "--fp16, which does so on a CPU too); scores stay float32")
@@ -59,13 +67,8 @@ def check_model_options(args: argparse.Namespace, positive=("batch_size", "max_t
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for lang in (args.source_lang, args.target_lang):
-        if not os.path.isfile(os.path.join(args.data, f"dict.{lang}.txt")):
-            raise UsageError(f"--data {args.data}: no dict.{lang}.txt there")
-    for path in args.path.split(":"):
-        if not os.path.isfile(path) or not is_checkpoint_file(path):
-            raise UsageError(f"--path {path}: no such checkpoint")
-    problem = bpe_problem(args.bpe, args.bpe_codes, args.sentencepiece_model)
+    problem = model_files_problem(args.data, (args.source_lang, args.target_lang), args.path) or bpe_problem(
+        args.bpe, args.bpe_codes, args.sentencepiece_model)
     if problem:
         raise UsageError(problem)
 
@@ -102,18 +105,22 @@ def add_generation_options(p) -> None:
         _add_field(p, fields[name])
 
 
-def add_task_options(p) -> None:
+def add_task_options(p, auto: typing.Optional[typing.Dict[str, str]] = None) -> None:
     """Every option the plugin adds to its task (options.plugin_fields), with the task's types,
-    defaults and help: the task's dataclass is the one list, so the two cannot drift apart."""
+    defaults and help: the task's dataclass is the one list, so the two cannot drift apart.
+    `auto`: options whose default is "auto", resolved by the front end as the text says."""
     for f in plugin_fields():
-        _add_field(p, f)
+        _add_field(p, f, (auto or {}).get(f.name))
 
 
-def _add_field(p, f: dataclasses.Field) -> None:
+def _add_field(p, f: dataclasses.Field, auto: typing.Optional[str] = None) -> None:
     """Dataclass field `f` as an option, with its type, default and help."""
     name, kind, default = "--" + f.name.replace("_", "-"), f.type, f.default
     help_text = str(f.metadata.get("help", "")).replace("%", "%%")
-    if f.name == "decoding":
+    if auto:
+        default, help_text = "auto", f"{help_text} (default auto: {auto})"
+    if f.name == "decoding":  # the task's --decoding fairseq (its own generator) is not one of the choices here
+        help_text = help_text.split("; fairseq: ")[0]
         p.add_argument(name, default=DECODING_DEFAULT, choices=DECODING_CHOICES, help=help_text)
     elif isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum
         p.add_argument(name, default=default, choices=[str(c.value) for c in kind], help=help_text)

@@ -33,6 +33,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from .frontend import (
+    DefaultsHelp,
     OneLineParser,
     add_generation_options,
     add_model_options,
@@ -373,7 +374,19 @@ class Server:
     def app(self):
         from aiohttp import web
 
-        app = web.Application(client_max_size=self.args.max_request_bytes)
+        @web.middleware
+        async def json_errors(request, handler):
+            """aiohttp's own refusals (an unknown path, a wrong method) as JSON, as the server's others."""
+            try:
+                return await handler(request)
+            except web.HTTPException as e:
+                if e.status < 400:
+                    raise
+                headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+                return web.json_response({"error": f"{request.method} {request.path}: {e.reason.lower()}"},
+                                         status=e.status, headers=headers)
+
+        app = web.Application(client_max_size=self.args.max_request_bytes, middlewares=[json_errors])
         app.router.add_post("/translate", self.translate)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
@@ -539,11 +552,11 @@ def _rss_bytes() -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked before the model loads: a mistake is one line and exit status 2."""
     p = OneLineParser(prog="streambeam-serve", description=__doc__.split("\n\n")[0],
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=DefaultsHelp)
     add_model_options(p)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
     s.add_argument("--max-queue", type=int, default=1024,
                    help="sentences accepted and not yet answered; more are refused with 429")
@@ -554,16 +567,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-lanes", type=int, default=4, help="option sets decoded at once")
     s.add_argument("--batching", default="continuous", choices=["continuous", "static", "single"],
                    help="static and single are baselines: a batch collected for --batch-wait-ms, or one request")
-    s.add_argument("--batch-wait-ms", type=float, default=20.0)
+    s.add_argument("--batch-wait-ms", type=float, default=20.0, help="--batching static: how long a batch collects")
     add_generation_options(p.add_argument_group("fairseq-generate's generation options (the defaults of requests)"))
-    add_task_options(p.add_argument_group("decoding options of --task streambeam_translation"))
+    add_task_options(p.add_argument_group("decoding options of --task streambeam_translation"),
+                     auto={"stream_order": "continuous for var-stream and fixed-stream, else min-length"})
     args = p.parse_args(argv)
-    given = sys.argv[1:] if argv is None else argv
-    if not any(a == "--stream-order" or a.startswith("--stream-order=") for a in given) and \
-            DECODINGS[args.decoding].streaming and DECODINGS[args.decoding].family == "beam":
+    if args.stream_order == "auto":
         # online, new sources keep arriving: under min-length, the newest (shortest) cohorts always
         # step first and older ones wait; continuous steps every live source in each decoder call
-        args.stream_order = "continuous"
+        kind = DECODINGS[args.decoding]
+        args.stream_order = "continuous" if kind.streaming and kind.family == "beam" else "min-length"
     try:
         check_model_options(args, ("batch_size", "max_tokens", "threads", "max_queue", "max_sentences_per_request",
                                    "max_tokens_per_sentence", "max_request_bytes", "max_beam", "max_lanes"))

@@ -19,7 +19,7 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 pair=de-en; model_dir=""; model_url=""; src=""; ref=""; config="$here/configs/paper_k50.json"; out="results/wmt19"
 repeats=5; checkpoints="model1.pt:model2.pt:model3.pt:model4.pt"; tokenizer=moses; bpe=fastbpe
 python="${PYTHON:-python}"
-usage() { sed -n '2,16p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit "${1:-0}"; }
 die() { echo "reproduce_wmt19.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in

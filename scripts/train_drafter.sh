@@ -22,7 +22,7 @@ model_dir="$shared/models/deen-tiny"; train="$shared/data/train/de-en/train"; va
 s=de; t=en; out=work/drafter; k=8; layers=2; minutes=25; lines=0; beam=5; checkpoint=checkpoint_best.pt
 dict_dir=""; bpe=sentencepiece; device=cpu
 python="${PYTHON:-python}"; nproc="${NPROC:-2}"; threads="${THREADS:-1}"
-usage() { sed -n '2,18p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,/^# Environment/p' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-dir) model_dir="$2"; shift 2;;

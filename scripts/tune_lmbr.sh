@@ -11,13 +11,13 @@
 #   evidence covers the whole split) --evidence CKPT[,CKPT...] --nbest-size N (default 10)
 #   --nbest FILE[,FILE...] (existing evidence; then nothing is generated) --decoding D --beam K
 #   --post-process P (default sentencepiece) --out DIR
-#   Anything after `--` goes to the tuner (e.g. -- --lambdas 0.25 0.5 1 2 --alphas 0.5 1 --search grid).
+#   Anything after `--` goes to the tuner (e.g. -- --lambdas 0.25 0.5 1 2 --alphas 0.5 1 --lmbr-search grid).
 # Environment: THREADS (default 1), PYTHON.
 set -euo pipefail
 data=""; path=""; s=""; t=""; dev=valid; limit=0; evidence=""; nbest_size=10; nbest=""; decoding=beam; beam=5
 post=sentencepiece; out=work/tune-lmbr
 python="${PYTHON:-python}"; threads="${THREADS:-1}"
-usage() { sed -n '2,16p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,/^# Environment/p' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --data) data="$2"; shift 2;;

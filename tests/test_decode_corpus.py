@@ -380,3 +380,15 @@ def test_lines_longer_than_max_tokens_are_cut_and_counted_in_every_shard(tiny_ru
                                     "--decoding", decoding))
         manifest = json.loads((out / decoding / "manifest.json").read_text())
         assert rc == 0 and manifest["totals"]["bad_too_long"] > 0, manifest["totals"]
+
+
+def test_unsegmented_input_is_warned_about(tiny_run, tmp_path, capsys):
+    """Text not segmented as the model's (a forgotten --bpe) was decoded to garbage with no sign of
+    it: most of its tokens are unknown to the dictionary, which is said once."""
+    raw = tmp_path / "raw.txt"
+    raw.write_text("qq1 qq2 qq3\nqq4 qq5\n" * 3)
+    assert decode_main([*_tiny_args(tiny_run, tmp_path / "out", "--input", str(raw)), "--shard-lines", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: 100% of the source tokens are not in the model's dictionary") == 1, err
+    assert decode_main(_tiny_args(tiny_run, tmp_path / "out2")) == 0  # the tiny model's own test sources
+    assert "warning" not in capsys.readouterr().err

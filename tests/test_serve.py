@@ -237,6 +237,17 @@ def test_bad_requests_are_refused_in_one_line(server, body, status, message):
     assert st2 == 200  # and the server goes on serving
 
 
+def test_unknown_paths_and_methods_are_json_errors(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.url + "/nope") as a, s.get(server.url + "/translate") as b:
+                return (a.status, await a.json()), (b.status, await b.json(), b.headers.get("Allow"))
+
+    (st, payload), (st2, payload2, allow) = _run(go())
+    assert st == 404 and payload == {"error": "GET /nope: not found"}
+    assert st2 == 405 and payload2 == {"error": "GET /translate: method not allowed"} and allow == "POST"
+
+
 def test_a_client_that_goes_away_frees_its_place(server):
     """A request whose client disconnects at once: its sentences that wait (8 against a live budget
     of 4) never enter decoding, the in-flight count goes back to 0 and the server answers the next
