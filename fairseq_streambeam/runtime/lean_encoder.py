@@ -20,7 +20,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from torch import Tensor
 
-from .lean_layer import applies_dropout, feed_forward, layer_modules, linear, norm, plain_attention, plain_modules
+from .lean_layer import applies_dropout, feed_forward, layer_modules, linear, plain_attention, plain_modules, sublayer
 
 
 def _layer_support(layer) -> bool:
@@ -87,13 +87,8 @@ def _key_mask(pad: Tensor, heads: int, dtype) -> Tensor:
 
 
 def _layer(layer, x: Tensor, mask: Optional[Tensor]) -> Tensor:
-    pre = layer.normalize_before
-    residual = x
-    if pre:
-        x = norm(layer.self_attn_layer_norm, x)
-    x = residual + _self_attention(layer.self_attn, x, mask)
-    if not pre:
-        x = norm(layer.self_attn_layer_norm, x)
+    x = sublayer(layer.normalize_before, layer.self_attn_layer_norm, x,
+                 lambda y: (_self_attention(layer.self_attn, y, mask),))[0]
     return feed_forward(layer, x)
 
 

@@ -294,35 +294,27 @@ def _layer(layer, x: Tensor, attends: bool, enc: Optional[Tensor], prev_k: Optio
            rows: Optional[Tensor], self_add: Optional[Tensor], cross_k: Optional[Tensor], cross_v: Optional[Tensor],
            cross_add: Optional[Tensor], slots: Optional[Slots], groups: Optional[SourceGroups], lin=linear):
     pre = layer.normalize_before
-    residual = x
-    if pre:
-        x = norm(layer.self_attn_layer_norm, x)
-    h, k, v = _self_attention(layer.self_attn, x, prev_k, prev_v, rows, self_add, slots, lin)
-    x = residual + h
-    if not pre:
-        x = norm(layer.self_attn_layer_norm, x)
+    x, k, v = sublayer(pre, layer.self_attn_layer_norm, x,
+                       lambda y: _self_attention(layer.self_attn, y, prev_k, prev_v, rows, self_add, slots, lin))
     if layer.encoder_attn is not None and attends:  # as fairseq: no encoder output, no cross-attention
-        residual = x
-        if pre:
-            x = norm(layer.encoder_attn_layer_norm, x)
-        h, cross_k, cross_v = _cross_attention(layer.encoder_attn, x, enc, cross_k, cross_v, cross_add, slots, groups,
-                                               lin)
-        x = residual + h
-        if not pre:
-            x = norm(layer.encoder_attn_layer_norm, x)
+        x, cross_k, cross_v = sublayer(pre, layer.encoder_attn_layer_norm, x, lambda y: _cross_attention(
+            layer.encoder_attn, y, enc, cross_k, cross_v, cross_add, slots, groups, lin))
     return feed_forward(layer, x, lin), k, v, cross_k, cross_v
+
+
+def sublayer(pre: bool, ln: nn.LayerNorm, x: Tensor, f) -> tuple:
+    """x plus `f`'s first output, with layer norm `ln` on f's input (`pre`: normalize_before) or
+    on the sum, in fairseq's order of operations; then f's other outputs."""
+    out, *rest = f(norm(ln, x) if pre else x)
+    x = x + out
+    return (x if pre else norm(ln, x), *rest)
 
 
 def feed_forward(layer, x: Tensor, lin=linear) -> Tensor:
     """The feed-forward sublayer of a fairseq encoder or decoder layer, with its residual and its
-    layer norm before or after (`normalize_before`), in fairseq's order of operations."""
-    residual = x
-    if layer.normalize_before:
-        x = norm(layer.final_layer_norm, x)
-    x = residual + lin(layer.fc2, layer.activation_fn(lin(layer.fc1, x)))
-    if not layer.normalize_before:
-        x = norm(layer.final_layer_norm, x)
-    return x
+    layer norm (sublayer)."""
+    return sublayer(layer.normalize_before, layer.final_layer_norm, x,
+                    lambda y: (lin(layer.fc2, layer.activation_fn(lin(layer.fc1, y))),))[0]
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, add: Optional[Tensor], n: int, m: int) -> Tensor:
