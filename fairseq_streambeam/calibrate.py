@@ -268,8 +268,6 @@ def check_args(a: argparse.Namespace) -> None:
         value, least = getattr(a, name), 0 if name in ("limit", "test_limit") else 1
         if value is not None and value < least:
             raise CalibrationError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    if not os.path.isdir(a.data):
-        raise CalibrationError(f"--data {a.data}: no such directory")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise CalibrationError(f"--out {a.out}: not a directory")
     if a.src and not a.ref:

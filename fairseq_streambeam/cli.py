@@ -76,12 +76,11 @@ def _fairseq_command(interactive: bool) -> None:
 def fairseq_usage_error(e: BaseException) -> Optional[str]:
     """One line for a usage mistake, which fairseq reports with a traceback (None: not one): the
     plugin's own (spec.UsageError, e.g. a source longer than the model's positions, or --min-len
-    above a source's length limit), or one in fairseq's options: a missing data directory, split or
-    checkpoint (FileNotFoundError, or
-    load_checkpoint's OSError "Model file not found"), an option that fairseq asserts on (its
-    messages name the option, e.g. "--path required for generation!"), or a mandatory option
-    left unset (omegaconf's MissingMandatoryValue, e.g. --bpe sentencepiece without
-    --sentencepiece-model)."""
+    above a source's length limit), or one in fairseq's options: a missing split, or a data directory
+    or checkpoint that parsing could not check (a URL: FileNotFoundError, or load_checkpoint's
+    OSError "Model file not found"), an option that fairseq asserts on (its messages name the
+    option), or a mandatory option left unset (omegaconf's MissingMandatoryValue, e.g. --bpe
+    sentencepiece without --sentencepiece-model)."""
     from .spec import UsageError
 
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""

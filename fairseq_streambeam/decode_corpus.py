@@ -294,9 +294,11 @@ class ShardDecoder:
         """Warn once when a shard's source tokens are mostly unknown to the dictionary: the text is
         not segmented as the model's (--tokenizer, --bpe, --sentencepiece-model), and the output
         would be garbage with nothing else to show it."""
+        if self.warned:
+            return
         d = self.codec.src_dict
         unk, total = sum(int(ids[:-1].eq(d.unk()).sum()) for ids in src), sum(len(ids) - 1 for ids in src)
-        if not self.warned and total and unk > UNK_WARNING * total:
+        if total and unk > UNK_WARNING * total:
             self.warned = True
             print(f"warning: {unk / total:.0%} of the source tokens are not in the model's dictionary: is the input "
                   "segmented as the model's (--tokenizer, --bpe, --sentencepiece-model)?", file=sys.stderr, flush=True)

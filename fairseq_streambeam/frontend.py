@@ -38,7 +38,8 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        return text if "default" in text or action.default in (None, False) else super()._get_help_string(action)
+        none = action.default is None or action.default is False  # (0 == False: a default of 0 is shown)
+        return text if "default" in text or none else super()._get_help_string(action)
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:

@@ -114,7 +114,10 @@ def install_usage_error_hook() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             for child in multiprocessing.active_children():  # e.g. fairseq-generate's data-loader worker,
-                child.terminate()  # which would print a traceback of its own when its connection drops
+                try:  # which would print a traceback of its own when its connection drops
+                    child.terminate()
+                except OSError:  # already gone
+                    pass
             os._exit(2)  # argparse's status for a usage error (an excepthook cannot raise SystemExit)
         else:
             previous(kind, value, tb)
@@ -147,7 +150,7 @@ def check_at_parse_time(parser) -> None:
             if hasattr(ns, "buffer_size"):  # fairseq-interactive's parser (its --buffer-size)
                 refuse_id_keyed_files(spec)
             if hasattr(ns, "path") and hasattr(ns, "beam"):  # generate/interactive: the models load next
-                problem = model_files_problem(ns.data, (ns.source_lang, ns.target_lang), ns.path)
+                problem = model_files_problem(ns.data, (ns.source_lang, ns.target_lang), checkpoint_files(ns), "")
                 if problem:
                     raise UsageError(problem)
         except UsageError as e:
@@ -155,5 +158,19 @@ def check_at_parse_time(parser) -> None:
         return ns, extra
 
     parser.parse_known_args = parse_and_check
-    # argparse's own mistakes (a bad choice, a bad number) in one line too, not after fairseq's usage
+    # argparse's mistakes in the task's options (a bad choice, a bad number) and unknown options in
+    # one line too, not after fairseq's usage; fairseq's own options are parsed before add_args runs
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def checkpoint_files(ns) -> Optional[str]:
+    """The files fairseq-generate's `--path` loads, os.pathsep-separated: with --checkpoint-suffix,
+    and sharded (`-shard{i}.pt`, `_part{i}.pt` with --checkpoint-shard-count), as
+    checkpoint_utils.load_model_ensemble names them."""
+    from fairseq.checkpoint_utils import get_maybe_sharded_checkpoint_filename
+
+    if not ns.path or "://" in ns.path:
+        return ns.path
+    suffix, shards = getattr(ns, "checkpoint_suffix", "") or "", getattr(ns, "checkpoint_shard_count", 1) or 1
+    return os.pathsep.join(get_maybe_sharded_checkpoint_filename(p, suffix, i, shards)
+                           for p in ns.path.split(os.pathsep) for i in range(shards))

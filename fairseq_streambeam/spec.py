@@ -328,11 +328,12 @@ def is_checkpoint_file(path: str) -> bool:
         return f.read(1) == b"\x80"
 
 
-def model_files_problem(data: Optional[str], langs: Tuple[Optional[str], ...], path: Optional[str]) -> Optional[str]:
+def model_files_problem(data: Optional[str], langs: Tuple[Optional[str], ...], path: Optional[str],
+                        data_flag: str = "--data") -> Optional[str]:
     """Why a model cannot load, in one line (None: it can): no `--path`, one of its checkpoints
     (split at os.pathsep, as fairseq does) not a file torch.save wrote, or a language's dictionary
     missing from the first of `data`'s directories (where fairseq's translation task reads them).
-    URLs (fairseq's `://` paths) are left to fairseq."""
+    URLs (fairseq's `://` paths) are left to fairseq. `data_flag`: how messages name `data`."""
     if not path:
         return "--path is required: the model's checkpoint (colon-separated for an ensemble)"
     for ckpt in [] if "://" in path else path.split(os.pathsep):
@@ -345,10 +346,11 @@ def model_files_problem(data: Optional[str], langs: Tuple[Optional[str], ...], p
             return problem.replace(": no such file", ": no such checkpoint") + (
                 "; name the checkpoint file in it" if os.path.isdir(ckpt) else "")
     first = data.split(os.pathsep)[0] if data and "://" not in data else None
+    name = f"{data_flag} {first}".strip()
     if first and not os.path.isdir(first):
-        return f"{first}: no such directory (the model's data-bin or dictionaries)"
+        return f"{name}: no such directory (the model's data-bin or dictionaries)"
     missing = [lang for lang in langs if first and lang and not os.path.isfile(os.path.join(first, f"dict.{lang}.txt"))]
-    return f"{first}: no dict.{missing[0]}.txt there" if missing else None
+    return f"{name}: no dict.{missing[0]}.txt there" if missing else None
 
 
 def flag(name: str) -> str:

@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; usage 2;;
   esac
 done
-need() { echo "$1" >&2; exit 2; }
+need() { echo "train_drafter.sh: $1" >&2; exit 2; }
 count() { [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || need "$1 must be a whole number of at least $3, not '$2'"; }
 count --lines "$lines" 0; count --block-size "$k" 1; count --decoder-layers "$layers" 1; count --beam "$beam" 1
 [[ "$minutes" =~ ^[0-9]*\.?[0-9]+$ ]] && awk "BEGIN{exit !($minutes > 0)}" || need "--minutes must be a number above 0, not '$minutes'"

@@ -277,7 +277,7 @@ def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decodi
     (["--config", "{tmp}/bad.json"], "--config {tmp}/bad.json: Expecting property name"),
     (["--path", "{tmp}/none.pt"], "--path {tmp}/none.pt: no such checkpoint"),
     (["--path", "{tmp}"], "--path {tmp}: not a regular file; name the checkpoint file in it"),
-    (["-t", "fr"], "{data}: no dict.fr.txt there"),
+    (["-t", "fr"], "--data {data}: no dict.fr.txt there"),
     (["--methods", "gad"], "the gad methods need --drafter"),
     (["--gen-subset", "nosuch"], "--gen-subset nosuch: Dataset not found"),
 ])

@@ -1,6 +1,7 @@
 """Option errors a user can act on: found when fairseq parses the command line, before any model
-loads (the checkpoint path below does not exist, so an error that came later would name it), and
-reported as one line `prog: error: ...` with exit status 2. The Python API raises ValueError."""
+loads (the options are checked before the checkpoint, which the cases below do not write, so an
+error that came later would name it), and reported as one line `prog: error: ...` with exit
+status 2. The Python API raises ValueError."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def parse(tmp_path, *flags: str):
     parser = options.get_generation_parser()
     return options.parse_args_and_arch(parser, input_args=[
         str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation",
-        "--path", str(tmp_path / "no-such-checkpoint.pt"), *flags])
+        "--path", str(tmp_path / "model.pt"), *flags])
 
 
 def text_file(tmp_path) -> str:
@@ -70,7 +71,7 @@ def test_bad_option_is_one_line_before_the_model_loads(tmp_path, capsys, flags, 
 
 
 def test_good_options_parse(tmp_path):
-    torch.save({}, tmp_path / "no-such-checkpoint.pt")  # the one check of files made when parsing
+    torch.save({}, tmp_path / "model.pt")  # parsing checks that the checkpoint is one
     args = parse(tmp_path, "--decoding", "var-stream", "--beam", "5", "--nbest", "5", "--prune-abs-threshold", "2",
                  "--no-repeat-ngram-size", "3")
     assert args.decoding == "var-stream" and args.prune_abs_threshold == 2.0 and args.no_repeat_ngram_size == 3
@@ -124,3 +125,19 @@ def test_python_api_raises_value_error():
         DecodeSpec(decoding="var-stream", refill_eps=-0.5)
     assert issubclass(UsageError, ValueError)
     from_cli(StreamBeamConfig(decoding="var-stream"))  # the defaults pass
+
+
+@pytest.mark.parametrize("files,flags", [
+    (["model-shard0.pt"], ["--path", "{tmp}/model.pt"]),  # a sharded (FSDP) checkpoint
+    (["model_ema.pt"], ["--path", "{tmp}/model.pt", "--checkpoint-suffix", "_ema"]),
+    (["model_part0.pt", "model_part1.pt"], ["--path", "{tmp}/model.pt", "--checkpoint-shard-count", "2"]),
+    ([], ["--path", "s3://bucket/model.pt"]),  # fairseq's own file systems are left to fairseq
+])
+def test_checkpoints_are_named_as_fairseq_loads_them(tmp_path, files, flags):
+    for name in files:
+        torch.save({}, tmp_path / name)
+    parser = options.get_generation_parser()
+    args = options.parse_args_and_arch(parser, input_args=[
+        str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation",
+        *[f.format(tmp=tmp_path) for f in flags]])
+    assert args.path.endswith("model.pt")

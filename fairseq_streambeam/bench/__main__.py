@@ -104,6 +104,22 @@ def resolve(args):
     return settings, variants
 
 
+def _usage_problem(args, settings: dict, variants) -> Optional[str]:
+    """The first mistake in the options that can be found before anything loads (None: none)."""
+    if any(v.decoding == "gad" and not v.lookup for v in variants) and not settings["drafter"]:
+        return "the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)"
+    if any(v.lookup for v in variants) and not settings["draft_lookup"]:
+        return "the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)"
+    if any(v.lmbr for v in variants) and not args.lmbr_posteriors:
+        return "the *+lmbr methods need --lmbr-posteriors"
+    if settings["corpus_order"] and any(v.decoding == "ct2" and not (v.batch_size or settings["batch_size"])
+                                        for v in variants):
+        return "--corpus-order with ct2 needs --batch-size"
+    if args.src and not args.ref:
+        return "--src needs --ref"
+    return model_files_problem(args.data, (args.source_lang, args.target_lang), args.path)
+
+
 def main(argv=None):
     args = parse_args(argv)
     settings, variants = resolve(args)
@@ -119,13 +135,7 @@ def main(argv=None):
     from .memory import PeakMemory
     from .report import markdown_table, write_plots
 
-    problem = model_files_problem(args.data, (args.source_lang, args.target_lang), args.path)
-    if args.src and not args.ref:
-        problem = "--src needs --ref"
-    if any(v.decoding == "gad" and not v.lookup for v in variants) and not settings["drafter"]:
-        problem = "the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)"
-    if any(v.lookup for v in variants) and not settings["draft_lookup"]:
-        problem = "the gad-lookup methods need --draft-lookup (target-side text for the n-gram table)"
+    problem = _usage_problem(args, settings, variants)
     if problem:
         raise UsageError(problem)
     use_cuda = wants_cuda(args.device)
@@ -239,8 +249,6 @@ def _subset_posteriors(args, variants, ts, out_dir: Path):
     """Posteriors keyed by the benchmark's dataset index (a --limit subset renumbers sentences)."""
     if not any(v.lmbr for v in variants):
         return None
-    if not args.lmbr_posteriors:
-        raise UsageError("the *+lmbr methods need --lmbr-posteriors")
     from fairseq_streambeam.scorers.lmbr import load_posteriors, write_posteriors
 
     post = load_posteriors(args.lmbr_posteriors)
@@ -376,8 +384,6 @@ def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: 
     bs = v.batch_size or settings["batch_size"]
     budget = dict(max_batch_size=bs, batch_type="examples") if bs else dict(
         max_batch_size=settings["max_tokens"], batch_type="tokens")
-    if settings["corpus_order"] and not bs:
-        raise UsageError("--corpus-order with ct2 needs --batch-size")
     src = ts.src_symbols[:bs or 16] if first_batch else ts.src_symbols
     step = bs if settings["corpus_order"] else max(1, len(src))
     res = []
@@ -392,6 +398,6 @@ def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: 
 if __name__ == "__main__":
     try:
         main()
-    except UsageError as e:  # a mistake in the options, found before any model loads
+    except UsageError as e:  # a mistake in the options (most found before any model loads)
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)

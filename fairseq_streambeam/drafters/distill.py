@@ -17,8 +17,7 @@ from ..textio import read_lines
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(prog="python -m fairseq_streambeam.drafters.distill",
-                                description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m fairseq_streambeam.drafters.distill", description=__doc__.split("\n\n")[0])
     p.add_argument("--src", required=True, help="raw source lines (the decoder's input)")
     p.add_argument("--hyp", required=True,
                    help="the AR model's outputs, one per source line (decode_corpus output.txt)")
@@ -50,15 +49,21 @@ def main(argv=None) -> int:
     else:
         def seg(x: str) -> str:
             return x.strip()
-    pairs = [(xs, ys) for xs, ys in ((seg(x), seg(y)) for x, y in zip(src, hyp)) if xs and ys]
     out = Path(a.out_prefix)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        for lang, side in ((a.source_lang, 0), (a.target_lang, 1)):
-            Path(f"{out}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
+        fs = open(f"{out}.{a.source_lang}", "w", encoding="utf-8")
+        ft = open(f"{out}.{a.target_lang}", "w", encoding="utf-8")
     except OSError as e:
         p.error(f"cannot write {e.filename}: {e.strerror}")
-    kept = len(pairs)
+    kept = 0
+    with fs, ft:
+        for x, y in zip(src, hyp):
+            xs, ys = seg(x), seg(y)
+            if xs and ys:
+                fs.write(xs + "\n")
+                ft.write(ys + "\n")
+                kept += 1
     print(f"{kept} of {len(src)} pairs written to {out}.{{{a.source_lang},{a.target_lang}}}")
     return 0
 

@@ -24,6 +24,8 @@ class OracleDrafter(RowListDrafter):
     def open(self, srcs, rows: List[int]) -> List[List[int]]:
         """The state: each row's known output not produced yet."""
         self.pad, self.device = srcs.pad, srcs.device
+        if not self.truth:  # no-draft: no source's tokens need reading (a host copy on CUDA)
+            return [[] for _ in rows]
         return [list(self.truth[tuple(srcs.tokens(i))]) for i in rows]
 
     def propose(self, state: List[List[int]], caps: List[int]) -> Tuple[Tensor, List[int]]:
