@@ -42,6 +42,7 @@ class KVCache:
         self.model = model
         self.per_source = per_source
         self.decoders = [m.decoder for m in getattr(model, "models", [model])]
+        self.reorderers = [_reorderers(d) for d in self.decoders]
         self.states: List[IncState] = [{} for _ in self.decoders]
         self.encoder_outs = encoder_outs
         self.keep_encoder_out = keep_encoder_out
@@ -106,8 +107,8 @@ class KVCache:
         next step (`pending`, which keeps `rows`: not to be written to afterwards)."""
         if self.per_source:
             self.pending = rows if self.pending is None else self.pending.index_select(0, rows)
-        for dec, state in zip(self.decoders, self.states):
-            _reorder(dec, state, rows, sources_moved and not self.per_source, not self.per_source)
+        for modules, state in zip(self.reorderers, self.states):
+            _reorder(modules, state, rows, sources_moved and not self.per_source, not self.per_source)
 
     def take_pending(self) -> Optional[Tensor]:
         """The rows the self-attention keys and values still have to follow (None: none), handed to
@@ -346,15 +347,21 @@ def _encoder_attn(decoder) -> List[MultiheadAttention]:
     return [layer.encoder_attn for layer in decoder.layers if getattr(layer, "encoder_attn", None) is not None]
 
 
-def _reorder(decoder: FairseqIncrementalDecoder, state: IncState, rows: Tensor, encoder_attn: bool,
-             self_kv: bool) -> None:
+def _reorderers(decoder: FairseqIncrementalDecoder) -> list:
+    """The modules of `decoder` that hold or reorder incremental state, found once per cache: walking
+    `decoder.modules()` at every step costs more host time than a small step's copies."""
+    return [m for m in decoder.modules()
+            if isinstance(m, MultiheadAttention) or hasattr(m, "reorder_incremental_state")]
+
+
+def _reorder(modules: list, state: IncState, rows: Tensor, encoder_attn: bool, self_kv: bool) -> None:
     """Like fairseq's `reorder_incremental_state_scripting`, but correct for variable-width beams.
 
     fairseq's MultiheadAttention.reorder_incremental_state returns early for encoder-decoder
     attention when the row count is unchanged (assuming fixed beams of identical rows); here rows
     of different sources move, so its buffers are index-selected (unless `encoder_attn` is False;
     self-attention keys and values unless `self_kv` is False). Other modules keep their own reorder."""
-    for module in decoder.modules():
+    for module in modules:
         if isinstance(module, MultiheadAttention):
             if module.encoder_decoder_attention and not encoder_attn:
                 continue
