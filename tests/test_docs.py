@@ -273,6 +273,12 @@ def check_command(c: Command, monkeypatch) -> None:
         assert args[0] == "install"
         for extra in re.findall(r"^\.\[(.*)\]$", " ".join(a for a in args if a.startswith(".["))):
             assert set(extra.split(",")) <= setup_extras(), f"pip install '.[{extra}]': unknown extra"
+    elif prog == "python" and re.match(r"scripts/\w+\.py$", args[0]):  # a tool beside the package: its parser()
+        check_paths(args[:1])
+        spec = importlib.util.spec_from_file_location(Path(args[0]).stem, REPO / args[0])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.parser().parse_args(args[1:])
     elif prog == "python":
         assert args[0] == "-m", "python lines run modules: python -m ..."
         if args[1] == "pytest":
