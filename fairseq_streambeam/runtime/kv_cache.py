@@ -42,7 +42,7 @@ class KVCache:
         self.model = model
         self.per_source = per_source
         self.decoders = [m.decoder for m in getattr(model, "models", [model])]
-        self.reorderers = [_reorderers(d) for d in self.decoders]
+        self.reorderers: Optional[list] = None  # per decoder, found at the first reorder (_reorderers)
         self.states: List[IncState] = [{} for _ in self.decoders]
         self.encoder_outs = encoder_outs
         self.keep_encoder_out = keep_encoder_out
@@ -107,6 +107,8 @@ class KVCache:
         next step (`pending`, which keeps `rows`: not to be written to afterwards)."""
         if self.per_source:
             self.pending = rows if self.pending is None else self.pending.index_select(0, rows)
+        if self.reorderers is None:
+            self.reorderers = [_reorderers(d) for d in self.decoders]
         for modules, state in zip(self.reorderers, self.states):
             _reorder(modules, state, rows, sources_moved and not self.per_source, not self.per_source)
 
