@@ -193,8 +193,9 @@ def _span(text: Optional[str], name: str) -> Optional[Tuple[int, int]]:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from .bench.data import add_input_args
-    from .frontend import DefaultsHelp, OneLineParser
+    from .frontend import DefaultsHelp
     from .scorers.build_posteriors import add_evidence_args
+    from .spec import OneLineParser
 
     p = OneLineParser(prog="streambeam-calibrate", description=__doc__.split("\n\n")[0],
                       formatter_class=DefaultsHelp)

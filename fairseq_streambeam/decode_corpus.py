@@ -27,7 +27,6 @@ from typing import Dict, List, Optional, Tuple
 
 from .frontend import (
     DefaultsHelp,
-    OneLineParser,
     add_generation_options,
     add_model_options,
     add_task_options,
@@ -35,7 +34,7 @@ from .frontend import (
     load_model,
 )
 from .runtime.counters import Counters
-from .spec import UsageError
+from .spec import OneLineParser, UsageError
 from .textio import file_problem
 
 SHARD = "shard-{:05d}"

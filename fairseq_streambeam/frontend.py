@@ -24,14 +24,6 @@ GENERATION_OPTIONS = ("beam", "nbest", "lenpen", "unkpen", "max_len_a", "max_len
                       "unnormalized", "no_repeat_ngram_size", "match_source_len")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's own mistakes (an unknown option, a bad choice or number) as one line
-    `prog: error: ...` with exit status 2, like the commands' other usage errors, not after the usage text."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default in its help, unless the help states its own (a default that depends on
     the decoding is None or inf in the parser) or there is none."""

@@ -34,7 +34,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .frontend import (
     DefaultsHelp,
-    OneLineParser,
     add_generation_options,
     add_model_options,
     add_task_options,
@@ -42,7 +41,7 @@ from .frontend import (
     load_model,
 )
 from .runtime.counters import Counters
-from .spec import DECODINGS, UsageError, from_cli
+from .spec import DECODINGS, OneLineParser, UsageError, from_cli
 
 logger = logging.getLogger("fairseq_streambeam.serve")
 

@@ -9,6 +9,7 @@ what each decoding is.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import math
@@ -25,6 +26,14 @@ from .textio import file_problem
 class UsageError(ValueError):
     """An option that contradicts another or is out of range. A command line reports it in one line
     on stderr with exit status 2; Python callers catch a ValueError."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own mistakes (an unknown option, a bad choice or number) as one line
+    `prog: error: ...` with exit status 2, like the commands' other usage errors, not after the usage text."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 @dataclass(frozen=True)

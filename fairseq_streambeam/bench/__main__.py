@@ -20,8 +20,7 @@ from typing import Any, Dict, Optional
 import torch
 from fairseq import utils
 
-from ..frontend import OneLineParser
-from ..spec import DECODINGS, DecodeSpec, UsageError, model_files_problem
+from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, model_files_problem
 from .data import add_input_args
 from .variants import BUILTIN, Variant, load_config, parse_methods
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..frontend import OneLineParser
+from ..spec import OneLineParser
 from ..textio import read_lines
 
 
