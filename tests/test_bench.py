@@ -8,6 +8,7 @@ import json
 import pytest
 from helpers import BIN, REPO, run_cli
 
+from fairseq_streambeam.bench.__main__ import DEFAULTS, variant_spec
 from fairseq_streambeam.bench.__main__ import main as bench_main
 from fairseq_streambeam.bench.variants import expand_sweep, load_config, parse_methods
 from fairseq_streambeam.spec import UsageError
@@ -144,10 +145,12 @@ def test_warm_up_is_one_batch_for_every_method(tiny_run):
 
 
 def test_configs_and_sweeps_expand():
-    for name in ("paper_k5", "paper_k50", "table5_sweep", "eps_sweep", "gad_sweep", "iad_bounds", "gad_lookup",
-                 "gad_lookup_sweep", "gad_batched"):
-        settings, variants = load_config(str(REPO / "configs" / f"{name}.json"))
-        assert variants and not any(k.startswith("_") for k in settings)
+    for path in sorted((REPO / "configs").glob("*.json")):
+        settings, variants = load_config(str(path))
+        assert variants and not any(k.startswith("_") for k in settings), path.name
+        for v in variants:  # each variant's options are a valid spec (ct2 is CTranslate2's, not a spec)
+            if v.decoding != "ct2":
+                variant_spec(v, {**DEFAULTS, **settings}, lmbr_file="posteriors.jsonl" if v.lmbr else None)
     _, variants = load_config(str(REPO / "configs" / "table5_sweep.json"))
     assert len(variants) == 2 + 4 * 3
     pts = expand_sweep({"decoding": "var-stream", "delta": [1.0, 2.0], "refill_eps": [0.1, 0.5]})
