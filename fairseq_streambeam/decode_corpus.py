@@ -44,7 +44,7 @@ _ADDITIVE = {f.name for f in fields(Counters)} - {"trace"}
 
 def check_args(args) -> None:
     """frontend.check_model_options, this command's own counts, that the inputs exist, the
-    worker's rank (worker_identity), and that the output folder can be made (it is made)."""
+    worker's rank (worker_identity, worker_gpu), and that the output folder can be made (it is made)."""
     check_model_options(args, ("shard_lines", "batch_size", "max_tokens", "threads"))
     for path in args.input:
         problem = file_problem("--input", path)
@@ -53,6 +53,7 @@ def check_args(args) -> None:
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output-dir {args.output_dir}: not a directory")
     worker_identity()
+    worker_gpu(1)  # LOCAL_RANK's form, before anything loads
     try:  # the last check: a folder is made only for a command that passed the others
         os.makedirs(os.path.join(args.output_dir, "shards"), exist_ok=True)
     except OSError as e:
@@ -190,6 +191,16 @@ def worker_identity(env=os.environ) -> Tuple[int, int]:
     return 0, 1
 
 
+def worker_gpu(n_gpus: int, env=os.environ) -> int:
+    """The GPU of this worker among the `n_gpus` it sees: a torchrun worker's LOCAL_RANK, wrapped
+    round them when workers outnumber GPUs; else the first (a Slurm task sees its own). Without
+    this, every worker on a machine would load its model onto cuda:0."""
+    local = env.get("LOCAL_RANK", "0")
+    if not local.isdigit():
+        raise UsageError(f"LOCAL_RANK={local!r} is not a whole number")
+    return int(local) % max(n_gpus, 1)
+
+
 def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict,
           keys: List[str]) -> Optional[dict]:
     """Write output.txt and manifest.json if every shard is done under its key; return the summed
@@ -236,7 +247,10 @@ class ShardDecoder:
     def __init__(self, args):
         import torch
 
-        m = load_model(args, torch.cuda.is_available() and not args.cpu)
+        cuda = torch.cuda.is_available() and not args.cpu
+        if cuda:
+            torch.cuda.set_device(worker_gpu(torch.cuda.device_count()))
+        m = load_model(args, cuda)
         self.task, self.codec, self.models, self.cuda = m.task, m.codec, m.models, m.cuda
         self.args = args
         # a line is cut to the model's positions, and to --max-tokens, which batches no longer sentence

@@ -2,6 +2,7 @@
 half-written shard is redone, torchrun 2-process run == 1-process run, manifest schema, bad input;
 every decoding option of the task is an option here and reaches the generator."""
 
+import argparse
 import json
 import math
 import shutil
@@ -11,8 +12,8 @@ from typing import List, Optional
 import pytest
 from helpers import BIN, run_cli
 
+from fairseq_streambeam.decode_corpus import ShardDecoder, read_lines, shard_ranges, worker_gpu, worker_identity
 from fairseq_streambeam.decode_corpus import main as decode_main
-from fairseq_streambeam.decode_corpus import read_lines, shard_ranges, worker_identity
 from fairseq_streambeam.spec import UsageError
 
 EXTRA = [b"w1 \xff\xfe w2", b"", b" ".join([b"w3"] * 1100)]  # invalid UTF-8, empty, over 1024 positions
@@ -287,6 +288,40 @@ def test_worker_identity_covers_every_shard_or_refuses(env, expected):
     else:
         with pytest.raises(UsageError, match=expected):
             worker_identity(env)
+
+
+@pytest.mark.parametrize("env, gpus, expected", [
+    ({}, 4, 0), ({"LOCAL_RANK": "3"}, 4, 3), ({"LOCAL_RANK": "5"}, 4, 1), ({"LOCAL_RANK": "2"}, 0, 0),
+    ({"LOCAL_RANK": "x"}, 2, "LOCAL_RANK='x' is not a whole number"),
+])
+def test_each_torchrun_worker_takes_its_own_gpu(env, gpus, expected):
+    if isinstance(expected, int):
+        assert worker_gpu(gpus, env) == expected
+    else:
+        with pytest.raises(UsageError, match=expected):
+            worker_gpu(gpus, env)
+
+
+def test_the_worker_selects_its_gpu_before_the_model_loads(monkeypatch):
+    """torchrun's worker 3 on a 2-GPU machine loads onto cuda:1, not cuda:0."""
+    import torch
+
+    import fairseq_streambeam.decode_corpus as dc
+
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+
+    def load(args, cuda):
+        calls.append(("load", cuda))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(dc, "load_model", load)
+    with pytest.raises(RuntimeError, match="stop"):
+        ShardDecoder(argparse.Namespace(cpu=False))
+    assert calls == [("set_device", 1), ("load", True)]
 
 
 def test_an_output_folder_that_cannot_be_made_is_one_line(tiny_run, tmp_path, capsys):
