@@ -1,7 +1,9 @@
 """Host work per decoder step: each decoding on a random transformer so small that its step is all
 host work (Python, dispatch, small copies), as deen-tiny's step is on an H100 (docs/benchmarks.md,
-"Host work per step"). Times the decodings interleaved in one process (minimum over rounds) and
-counts the torch operators a step dispatches (each one a kernel launch or more on a GPU).
+"Host work per step"). Every output runs to the length limit (--min-len at the limit), so every
+decoding takes the same steps. Times the decodings interleaved in one process (minimum over rounds)
+and counts the torch operators they dispatch (on a GPU, a kernel launch or a view each); both are
+a whole generate call's, encoder included, divided by its decoder steps.
 
   python scripts/host_step.py [--sources 8] [--beam 5] [--layers 3] [--dim 16] [--rounds 7]
 """
@@ -36,7 +38,7 @@ class OpCount(TorchDispatchMode):
 
 
 def random_model(layers: int, dim: int, vocab: int, seed: int = 3):
-    """A random-weight fairseq transformer whose outputs run long (EOS made unlikely)."""
+    """A random-weight fairseq transformer with peaked output distributions."""
     d = Dictionary()
     for i in range(vocab):
         d.add_symbol(f"w{i}")
@@ -52,7 +54,6 @@ def random_model(layers: int, dim: int, vocab: int, seed: int = 3):
     model = TransformerModel.build_model(args, task).eval()
     with torch.no_grad():
         model.decoder.output_projection.weight.mul_(2.0)
-        model.decoder.embed_tokens.weight[d.eos()].zero_()
     return model, d
 
 
@@ -64,11 +65,14 @@ def sample_of(d: Dictionary, n: int, seed: int = 5) -> dict:
     return ds.collater([ds[i] for i in range(n)])
 
 
+LENGTH = 40  # every output's length: the limit, and the minimum
+
+
 def generator(name: str, model, d: Dictionary, beam: int):
     if name == "fairseq":
-        return SequenceGenerator([model], d, beam_size=beam, max_len_b=40)
+        return SequenceGenerator([model], d, beam_size=beam, max_len_b=LENGTH, min_len=LENGTH)
     order = {"stream_order": "continuous"} if name == "continuous" else {}
-    return StreamBeamGenerator([model], d, beam_size=beam, max_len_b=40,
+    return StreamBeamGenerator([model], d, beam_size=beam, max_len_b=LENGTH, min_len=LENGTH,
                                decoding="var-stream" if name == "continuous" else name, **order)
 
 
@@ -131,7 +135,7 @@ def main(argv=None) -> None:
             ops[n] = sum(c.n.values())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); random transformer {a.layers}+{a.layers} "
           f"layers, d {a.dim}, {a.vocab} symbols; {a.sources} sources, beam {a.beam}; minimum of {a.rounds} rounds")
-    print("| decoding | steps | ms per step | x first | operators per step |")
+    print(f"| decoding | steps | ms per step | x {names[0]} | operators per step |")
     print("|---|---:|---:|---:|---:|")
     first = best[names[0]] / steps[names[0]]
     for n in names:
