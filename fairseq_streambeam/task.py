@@ -46,8 +46,10 @@ def batching_problem(dataset, max_tokens, max_positions, ignore_invalid_inputs: 
         if max_positions is not None:
             indices, ignored = dataset.filter_indices_by_size(indices, max_positions)
             if len(ignored) and not ignore_invalid_inputs:
-                return (f"sentence {ignored[0]} has {dataset.num_tokens(ignored[0])} tokens, more than the model's "
-                        f"positions ({max_positions}); --skip-invalid-size-inputs-valid-test skips such sentences")
+                first = ignored[0]
+                return (f"{_named(dataset, first)} has {dataset.num_tokens(first)} tokens, more than the model's "
+                        f"positions ({_limits(max_positions)}); --skip-invalid-size-inputs-valid-test skips such "
+                        "sentences")
         if max_tokens is None:
             return None
         sizes = np.asarray(dataset.num_tokens_vec(indices))
@@ -56,8 +58,26 @@ def batching_problem(dataset, max_tokens, max_positions, ignore_invalid_inputs: 
     if not len(sizes) or sizes.max() <= max_tokens:
         return None
     i = int(np.argmax(sizes))
-    return (f"--max-tokens {max_tokens} is below the {sizes[i]} tokens of sentence {indices[i]} (source or "
+    return (f"--max-tokens {max_tokens} is below the {sizes[i]} tokens of {_named(dataset, indices[i])} (source or "
             f"reference): raise --max-tokens")
+
+
+def _limits(max_positions) -> str:
+    """fairseq's max_positions, a number or a (source, target) pair, in words."""
+    if isinstance(max_positions, tuple) and len(max_positions) == 2:
+        return f"source {max_positions[0]}, target {max_positions[1]}"
+    return str(max_positions)
+
+
+def _named(dataset, i: int) -> str:
+    """`sentence i` with its first tokens, where the dataset has them: fairseq-interactive numbers
+    sentences within each buffer of input lines, so the words are what find the line."""
+    try:
+        words = dataset.src_dict.string(dataset.src[i][:6])
+    except (AttributeError, IndexError, TypeError):
+        return f"sentence {i}"
+    return f'sentence {i} ("{words} ...")'
+
 
 
 @register_task("streambeam_translation", dataclass=StreamBeamConfig)

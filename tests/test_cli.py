@@ -160,3 +160,4 @@ def test_interactive_line_longer_than_the_models_positions_is_one_line():
     errors = [x for x in r.stderr.splitlines() if "error:" in x]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(errors) == 1 and "more than the model's positions" in errors[0], r.stderr[-2000:]
+    assert 'sentence 0 ("\u2581Haus \u2581Haus' in errors[0]  # its first words find the line
