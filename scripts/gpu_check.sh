@@ -5,7 +5,8 @@
 #   tests    the CUDA tests (pytest -m cuda tests/test_cuda.py)
 #   bench    deen-tiny at beam 5 and 50 (fairseq, beam, var-batch, var-stream, and continuous / ct2
 #            when they exist), the same in fp16 (identical: to fairseq fp16), gec-tiny IAD at batch 1 and 32 against fairseq greedy, the step
-#            cost of deen-tiny by rows (fairseq's step; the plugin's, eager and as a CUDA graph), then deen-tiny with configs/engine_k5.json and
+#            cost of deen-tiny by rows (fairseq's step; the plugin's, eager and as a CUDA graph), the host work
+#            per step (scripts/host_step.py, into bench.log), then deen-tiny with configs/engine_k5.json and
 #            engine_k50.json (var-batch, var-stream, continuous, both under a candidate budget C,
 #            and ct2 where it runs) on --limit and a fifth of it
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh, greedy distillation
@@ -211,6 +212,7 @@ stage_bench() {
   run bench lean-step-deen "${helper[@]}" lean-step-cost --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" \
     -s de -t en --device "$device" --rows "$([ "$tiny" = 1 ] && echo 1,4 || echo 1,8,64,320,1024,3200)" \
     --out "$work/lean_step_deen.json"
+  run bench host-step "$python" scripts/host_step.py --device "$device" --rounds "$([ "$tiny" = 1 ] && echo 1 || echo 5)"
   # the candidate-budget configs, last: the runs above keep their time. k = 50 decodes a fifth of
   # the sentences (as docs/benchmarks.md's CPU runs: 1000 and 200), so both fit what the deadline
   # leaves; a run that does not finish in time brings back nothing but its exit status (124).

@@ -5,7 +5,7 @@ decoding takes the same steps. Times the decodings interleaved in one process (m
 and counts the torch operators they dispatch (on a GPU, a kernel launch or a view each); both are
 a whole generate call's, encoder included, divided by its decoder steps.
 
-  python scripts/host_step.py [--sources 8] [--beam 5] [--layers 3] [--dim 16] [--rounds 7]
+  python scripts/host_step.py [--sources 8] [--beam 5] [--layers 3] [--dim 16] [--rounds 7] [--device cuda]
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=60)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and batch go")
     p.add_argument("--decodings", default=",".join(DECODINGS), help="comma-separated, from " + ", ".join(DECODINGS))
     return p
 
@@ -117,23 +118,31 @@ def main(argv=None) -> None:
     if bad := [n for n in names if n not in DECODINGS]:
         p.error(f"--decodings: unknown {', '.join(bad)} (known: {', '.join(DECODINGS)})")
     torch.set_num_threads(a.threads)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
     model, d = random_model(a.layers, a.dim, a.vocab)
+    model.to(a.device)
     sample = sample_of(d, a.sources)
+    sample["net_input"] = {k: v.to(a.device) for k, v in sample["net_input"].items()}
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     gens = {n: generator(n, model, d, a.beam) for n in names}
     best = dict.fromkeys(names, float("inf"))
     with torch.no_grad():
         steps = {n: steps_of(g, model, sample) for n, g in gens.items()}
         for _ in range(a.rounds):
             for n, g in gens.items():
+                sync()
                 t = time.perf_counter()
                 g.generate([model], sample)
+                sync()
                 best[n] = min(best[n], time.perf_counter() - t)
         ops = {}
         for n, g in gens.items():
             with OpCount() as c:
                 g.generate([model], sample)
             ops[n] = sum(c.n.values())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); random transformer {a.layers}+{a.layers} "
+    where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} thread(s)"
+    print(f"torch {torch.__version__}, {where}; random transformer {a.layers}+{a.layers} "
           f"layers, d {a.dim}, {a.vocab} symbols; {a.sources} sources, beam {a.beam}; minimum of {a.rounds} rounds")
     print(f"| decoding | steps | ms per step | x {names[0]} | operators per step |")
     print("|---|---:|---:|---:|---:|")
