@@ -145,6 +145,26 @@ def test_transposed_weights_are_copied_per_call_and_serve_only_inexact_decodings
         assert bool(gen.blocks[0].transposed._copies) == copied, n
 
 
+@pytest.mark.parametrize("decoding", ["beam", "var-stream", "iad"])
+def test_a_parameter_replaced_between_calls_is_read(decoding):
+    """The lean math reads the layers' parameters through plain attributes taken at the start of
+    each generate call (plain_layer): a parameter object replaced after one call (an in-place
+    write needs nothing) is what the next call decodes with, as fairseq's generator would."""
+    model = random_transformer(D, 4).double()
+    sample = make_sample(D, random_sentences(D, 5, 9, min_len=2, max_len=8))
+    gen = (AggressiveGenerator([model], D) if decoding == "iad"
+           else StreamBeamGenerator([model], D, beam_size=3, decoding=decoding))
+    gen.generate([model], sample)
+    fc1 = model.decoder.layers[0].fc1
+    fc1.weight = torch.nn.Parameter(torch.randn_like(fc1.weight) * 3)  # a new object
+    kw = dict(beam_size=1) if decoding == "iad" else dict(beam_size=3)
+    fresh = (AggressiveGenerator([model], D) if decoding == "iad"
+             else StreamBeamGenerator([model], D, decoding=decoding, **kw))
+    assert_same_hypos(gen.generate([model], sample), fresh.generate([model], sample), atol=1e-9)
+    if decoding == "beam":
+        assert_same_hypos(gen.generate([model], sample), fairseq_generate([model], D, sample, beam_size=3), atol=1e-9)
+
+
 def test_unsupported_layers_fall_back_to_fairseq():
     assert not supports_lean(random_transformer(D, 1, scale_attn=True).decoder.layers[0])
     assert not supports_lean(random_transformer(D, 1, scale_heads=True).decoder.layers[0])

@@ -18,7 +18,17 @@ from torch import Tensor
 
 from .compiled import CompiledLayerMath
 from .kv_cache import IncState, cached_length
-from .lean_layer import LayerMath, Slots, SourceGroups, TransposedLinears, lean_layers, lean_supported, plain_modules
+from .lean_layer import (
+    LayerMath,
+    Slots,
+    SourceGroups,
+    TransposedLinears,
+    lean_layers,
+    lean_supported,
+    linear,
+    plain_layer,
+    plain_modules,
+)
 
 
 def block_decodable(decoder) -> bool:
@@ -73,8 +83,8 @@ class BlockDecoder:
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
         lin = TransposedLinears() if transposed and not compile and self.lean else None
         self.transposed = lin
-        self.layer_math = (CompiledLayerMath(decoder.layers) if compile and self.lean
-                           else LayerMath(decoder.layers, lin) if lin is not None else None)
+        self.compiled = CompiledLayerMath(decoder.layers) if compile and self.lean else None
+        self.call_math: Optional[LayerMath] = None  # the eager lean math of this generate call (start_call)
         # the output projection through `lin`, where fairseq's output_layer is the plain projection
         self.project = lin if lin is not None and (
             type(decoder).output_layer is TransformerDecoderBase.output_layer
@@ -83,9 +93,13 @@ class BlockDecoder:
         self._version: Optional[tuple] = None
 
     def start_call(self, n_sources: int) -> None:
-        """A generate call over `n_sources` sources begins (TransposedLinears.refresh)."""
+        """A generate call over `n_sources` sources begins: TransposedLinears.refresh, and the eager
+        lean math over the layers' plain attributes (lean_layer.plain_layer), taken afresh."""
         if self.transposed is not None:
             self.transposed.refresh(n_sources)
+        if self.lean and self.compiled is None:
+            self.call_math = LayerMath([plain_layer(layer) for layer in self.decoder.layers],
+                                       self.transposed or linear)
 
     def positions(self, length: int, device) -> Optional[Tensor]:
         """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0)."""
@@ -139,7 +153,7 @@ class BlockDecoder:
             raise ValueError("forward_block: slots and logits_for_tail do not combine")
         if self.lean and not decoder.training:
             x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots, groups,  # batch-major
-                            self.layer_math, rows)
+                            self.compiled or self.call_math, rows)
         else:
             if groups is not None or rows is not None:
                 raise ValueError("forward_block: caches with keys per source or pending rows need lean layers")

@@ -14,6 +14,7 @@ an option it does not implement (`lean_supported`) keep fairseq's own forward.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -111,6 +112,32 @@ def lean_supported(layer) -> bool:
             and (layer.encoder_attn is None or layer.encoder_attn.encoder_decoder_attention)
             and plain_attention(layer.encoder_attn) and plain_modules(*layer_modules(layer))
             and not applies_dropout(layer))
+
+
+def plain_layer(layer) -> SimpleNamespace:
+    """What `LayerMath` reads of a `lean_supported` decoder layer, as plain attributes. nn.Module
+    finds submodules and parameters in `__getattr__`: about 150 lookups a step, more host time than
+    a small step's math (docs/benchmarks.md, "What the engine's parts save"). It holds the layer's
+    own parameter objects, so weights changed in place show at once; take it afresh for each
+    generate call (BlockDecoder.start_call), as a module may be given a new parameter between calls."""
+    def lin(m):
+        return SimpleNamespace(weight=m.weight, bias=m.bias)
+
+    def ln(m):
+        return None if m is None else SimpleNamespace(normalized_shape=m.normalized_shape, weight=m.weight,
+                                                      bias=m.bias, eps=m.eps)
+
+    def attention(m):
+        return None if m is None else SimpleNamespace(
+            q_proj=lin(m.q_proj), k_proj=lin(m.k_proj), v_proj=lin(m.v_proj), out_proj=lin(m.out_proj),
+            num_heads=m.num_heads, head_dim=m.head_dim, scaling=m.scaling)
+
+    return SimpleNamespace(
+        self_attn=attention(layer.self_attn), encoder_attn=attention(layer.encoder_attn),
+        self_attn_layer_norm=ln(layer.self_attn_layer_norm),
+        encoder_attn_layer_norm=ln(getattr(layer, "encoder_attn_layer_norm", None)),
+        final_layer_norm=ln(layer.final_layer_norm), fc1=lin(layer.fc1), fc2=lin(layer.fc2),
+        activation_fn=layer.activation_fn, normalize_before=layer.normalize_before)
 
 
 def applies_dropout(module: torch.nn.Module) -> bool:
