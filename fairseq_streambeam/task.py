@@ -79,7 +79,6 @@ def _named(dataset, i: int) -> str:
     return f'sentence {i} ("{words} ...")'
 
 
-
 @register_task("streambeam_translation", dataclass=StreamBeamConfig)
 class StreamBeamTranslationTask(TranslationTask):
     cfg: StreamBeamConfig
