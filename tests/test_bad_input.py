@@ -63,6 +63,18 @@ def test_bad_options_are_clear_errors(kw, match):
         ours([M], D, s, beam_size=2, **kw)
 
 
+@pytest.mark.parametrize("decoding", ["beam", "iad"])
+def test_a_token_to_suppress_outside_the_dictionary_is_a_usage_error(decoding):
+    """fairseq's generator asserts (a bare AssertionError); both families name the word."""
+    from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+    from fairseq_streambeam.spec import UsageError
+
+    build = AggressiveGenerator if decoding == "iad" else StreamBeamGenerator
+    with pytest.raises(UsageError, match="tokens_to_suppress: 'nope' not a word of the target dictionary"):
+        build([M], D, decoding=decoding, tokens_to_suppress=(D[5], "nope"))
+    assert build([M], D, decoding=decoding, tokens_to_suppress=(D[5],)).token_indices_to_suppress.tolist() == [5]
+
+
 def test_constraints_are_refused():
     s = make_sample(D, [[5, 6]])
     gen = StreamBeamGenerator([M], D, beam_size=2)

@@ -110,7 +110,7 @@ class AggressiveGenerator(SequenceGenerator):
     def __init__(self, models, tgt_dict, spec: Optional[DecodeSpec] = None, drafter: Optional[Drafter] = None,
                  budget: Optional[Budget] = None, **options):
         spec = family_spec(spec, options, "draft", "iad")
-        super().__init__(models, tgt_dict, **sequence_generator_args(spec))
+        super().__init__(models, tgt_dict, **sequence_generator_args(spec, tgt_dict))
         for m in self.model.models:
             check_block_decoder(m.decoder)
         self.blocks = [BlockDecoder(m.decoder, spec.compile, transposed=True) for m in self.model.models]

@@ -99,8 +99,13 @@ def family_spec(spec: Optional[DecodeSpec], options: dict, family: str, default:
     return spec
 
 
-def sequence_generator_args(spec: DecodeSpec) -> dict:
-    """fairseq SequenceGenerator's arguments from a spec (the generators keep its attributes)."""
+def sequence_generator_args(spec: DecodeSpec, tgt_dict) -> dict:
+    """fairseq SequenceGenerator's arguments from a spec (the generators keep its attributes);
+    a token to suppress that the dictionary lacks is a UsageError (fairseq's generator asserts)."""
+    unknown = [w for w in spec.tokens_to_suppress if tgt_dict.index(w) == tgt_dict.unk()]
+    if unknown:
+        raise UsageError(f"tokens_to_suppress: {', '.join(map(repr, unknown))} not a word of the target dictionary "
+                         "(or its unknown token)")
     names = ("max_len_a", "max_len_b", "max_len", "min_len", "normalize_scores", "len_penalty", "unk_penalty",
              "temperature", "eos", "symbols_to_strip_from_output", "tokens_to_suppress", "lm_weight",
              "match_source_len")

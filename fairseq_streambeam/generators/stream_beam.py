@@ -181,7 +181,7 @@ class StreamBeamGenerator(SequenceGenerator):
     def __init__(self, models, tgt_dict, spec: Optional[DecodeSpec] = None, scorers: Sequence = (),
                  budget: Optional[Budget] = None, lm_model=None, **options):
         spec = family_spec(spec, options, "beam", "beam")
-        super().__init__(models, tgt_dict, lm_model=lm_model, **sequence_generator_args(spec))
+        super().__init__(models, tgt_dict, lm_model=lm_model, **sequence_generator_args(spec, tgt_dict))
         check_incremental(self.model)
         check_vocabulary(self.model, tgt_dict)
         self.spec = spec
