@@ -661,7 +661,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
 
 # ---- command line -------------------------------------------------------------------------------
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpu_check.py",
                                 description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -711,7 +711,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("work", type=Path)
     s.add_argument("out", type=Path)
     s.add_argument("--print", action="store_true", help="print a short table of the results")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parser().parse_args(argv)
 
     if a.cmd == "slim-wheel":
         if not a.wheel.exists():
