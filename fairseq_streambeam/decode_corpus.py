@@ -15,6 +15,7 @@ meet at a gloo barrier and rank 0 merges, otherwise whichever worker finds all s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -168,12 +169,7 @@ def worker_identity(env=os.environ) -> Tuple[int, int]:
     """(rank, world) from torchrun (RANK/WORLD_SIZE) or a Slurm array; (0, 1) otherwise. A Slurm
     array must be one evenly stepped range (0-7, 0-14:2): of a list such as 3,5 (failed tasks
     re-submitted) the tasks would split the shards among themselves and leave the others to nobody."""
-    def number(name: str, default: Optional[str] = None) -> int:
-        try:
-            return int(env.get(name, default))  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise UsageError(f"{name}={env.get(name)!r} is not a whole number") from None
-
+    number = functools.partial(_env_number, env)
     if "WORLD_SIZE" in env:
         rank, world = number("RANK", "0"), number("WORLD_SIZE")
         if not 0 <= rank < world:
@@ -195,10 +191,14 @@ def worker_gpu(n_gpus: int, env=os.environ) -> int:
     """The GPU of this worker among the `n_gpus` it sees: a torchrun worker's LOCAL_RANK, wrapped
     round them when workers outnumber GPUs; else the first (a Slurm task sees its own). Without
     this, every worker on a machine would load its model onto cuda:0."""
-    local = env.get("LOCAL_RANK", "0")
-    if not local.isdigit():
-        raise UsageError(f"LOCAL_RANK={local!r} is not a whole number")
-    return int(local) % max(n_gpus, 1)
+    return _env_number(env, "LOCAL_RANK", "0") % max(n_gpus, 1)
+
+
+def _env_number(env, name: str, default: Optional[str] = None) -> int:
+    try:
+        return int(env.get(name, default))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise UsageError(f"{name}={env.get(name)!r} is not a whole number") from None
 
 
 def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], options: dict,
