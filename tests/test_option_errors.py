@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from fairseq import options
-from helpers import REPO
+from helpers import REPO, make_dict, random_transformer
 
+from fairseq_streambeam import StreamBeamGenerator
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.options import StreamBeamConfig
 from fairseq_streambeam.spec import DecodeSpec, UsageError, from_cli
 
@@ -125,6 +127,16 @@ def test_python_api_raises_value_error():
         DecodeSpec(decoding="var-stream", refill_eps=-0.5)
     assert issubclass(UsageError, ValueError)
     from_cli(StreamBeamConfig(decoding="var-stream"))  # the defaults pass
+
+
+@pytest.mark.parametrize("generator,decoding", [(StreamBeamGenerator, "var-stream"), (AggressiveGenerator, "iad")])
+def test_stream_window_is_refused_by_a_generator(generator, decoding):
+    """Windows are the task's batching: given to a generator, stream_window would change nothing."""
+    d = make_dict(12)
+    model = random_transformer(d, 0)
+    with pytest.raises(UsageError, match="stream_window= is the task's option"):
+        generator([model], d, decoding=decoding, stream_window=4)
+    generator([model], d, spec=DecodeSpec(decoding=decoding, stream_window=4))  # the task's spec carries it
 
 
 @pytest.mark.parametrize("files,flags", [

@@ -89,7 +89,11 @@ class Sources:
 
 def family_spec(spec: Optional[DecodeSpec], options: dict, family: str, default: str) -> DecodeSpec:
     """A generator's spec: `spec`, or one built from keyword `options` (decoding `default` unless
-    given); its decoding must be of the generator's `family` (spec.DECODINGS)."""
+    given); its decoding must be of the generator's `family` (spec.DECODINGS). `stream_window` is
+    refused: windows are the task's batching, and a generator decodes each sample as one window."""
+    if "stream_window" in options:
+        raise UsageError("stream_window= is the task's option (fairseq batches per window); a generator "
+                         "decodes each sample it is given as one window: pass more sources per sample")
     if spec is None:
         spec = DecodeSpec(**{"decoding": default, **options})
     elif options:
