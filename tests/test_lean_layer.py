@@ -20,7 +20,13 @@ from fairseq_streambeam.generators.stream_beam import StreamBeamGenerator
 from fairseq_streambeam.runtime import block_step
 from fairseq_streambeam.runtime.block_step import BlockDecoder
 from fairseq_streambeam.runtime.kv_cache import KVCache, cat_states, stand_in, without_padding_mask
-from fairseq_streambeam.runtime.lean_layer import Slots, SourceGroups, TransposedLinears, lean_supported
+from fairseq_streambeam.runtime.lean_layer import (
+    Slots,
+    SourceGroups,
+    TransposedLinears,
+    lean_supported,
+    plain_projection,
+)
 
 
 def forward_block(decoder, *args, transposed: bool = False, **kwargs):
@@ -123,17 +129,17 @@ def test_transposed_weights_are_copied_per_call_and_serve_only_inexact_decodings
     variable-width beams and aggressive decoding use it, fixed beams (fairseq's bits) do not."""
     lin, layer = TransposedLinears(), torch.nn.Linear(6, 5).double()
     x = torch.randn(4, 3, 6, dtype=torch.float64)
-    with torch.no_grad():
+    with torch.no_grad():  # generators take the plain projections afresh in each call, as here
         lin.refresh(TransposedLinears.MIN_SOURCES)
-        assert torch.allclose(lin(layer, x), layer(x), atol=1e-12) and lin._copies
+        assert torch.allclose(lin(plain_projection(layer), x), layer(x), atol=1e-12) and lin._copies
         layer.weight.data.add_(1.0)  # as fairseq's optimizers write
         lin.refresh(TransposedLinears.MIN_SOURCES)
-        assert torch.allclose(lin(layer, x), layer(x), atol=1e-12)
+        assert torch.allclose(lin(plain_projection(layer), x), layer(x), atol=1e-12)
         layer.float()
         lin.refresh(TransposedLinears.MIN_SOURCES)
-        assert torch.allclose(lin(layer, x.float()), layer(x.float()), atol=1e-5)
+        assert torch.allclose(lin(plain_projection(layer), x.float()), layer(x.float()), atol=1e-5)
         lin.refresh(1)
-        lin(layer, x.float())
+        assert torch.equal(lin(plain_projection(layer), x.float()), layer(x.float()))  # plain_linear: F.linear's bits
         assert not lin._copies
     model = random_transformer(D, 3).double()
     for decoding, transposed in (("beam", False), ("fixed-stream", False), ("var-stream", True)):

@@ -25,9 +25,10 @@ from .lean_layer import (
     TransposedLinears,
     lean_layers,
     lean_supported,
-    linear,
     plain_layer,
+    plain_linear,
     plain_modules,
+    plain_projection,
 )
 
 
@@ -85,10 +86,12 @@ class BlockDecoder:
         self.transposed = lin
         self.compiled = CompiledLayerMath(decoder.layers) if compile and self.lean else None
         self.call_math: Optional[LayerMath] = None  # the eager lean math of this generate call (start_call)
-        # the output projection through `lin`, where fairseq's output_layer is the plain projection
-        self.project = lin if lin is not None and (
-            type(decoder).output_layer is TransformerDecoderBase.output_layer
-            and decoder.adaptive_softmax is None and plain_modules(decoder.output_projection)) else None
+        # the output projection through `lin` (plain_linear without it), where fairseq's output_layer
+        # is the plain projection; its plain_projection is taken in each generate call (start_call)
+        self.plain_output = (type(decoder).output_layer is TransformerDecoderBase.output_layer
+                             and decoder.adaptive_softmax is None and plain_modules(decoder.output_projection))
+        self.project = lin or plain_linear
+        self.call_projection = None
         self._table: Optional[Tensor] = None
         self._version: Optional[tuple] = None
 
@@ -99,7 +102,9 @@ class BlockDecoder:
             self.transposed.refresh(n_sources)
         if self.lean and self.compiled is None:
             self.call_math = LayerMath([plain_layer(layer) for layer in self.decoder.layers],
-                                       self.transposed or linear)
+                                       self.transposed or plain_linear)
+        if self.plain_output:
+            self.call_projection = plain_projection(self.decoder.output_projection)
 
     def positions(self, length: int, device) -> Optional[Tensor]:
         """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0)."""
@@ -169,8 +174,8 @@ class BlockDecoder:
             x = x[:, m - tail:]
         if decoder.project_out_dim is not None:
             x = decoder.project_out_dim(x)
-        if self.project is not None and not decoder.training:
-            return self.project(decoder.output_projection, x)
+        if self.call_projection is not None and not decoder.training:
+            return self.project(self.call_projection, x)
         return decoder.output_layer(x)
 
 

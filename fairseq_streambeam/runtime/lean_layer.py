@@ -49,16 +49,35 @@ def linear(module: nn.Linear, x: Tensor) -> Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
+def plain_linear(module: SimpleNamespace, x: Tensor) -> Tensor:
+    """`linear` for a `plain_projection`: the addmm (mm without bias) F.linear runs, over the weight's
+    transposed view taken once per call, so the same product with fewer operators dispatched (F.linear
+    transposes the weight at every call; docs/benchmarks.md, "Host work per step")."""
+    return _product(x, module.weight_t, module.bias)
+
+
+def _product(x: Tensor, wt: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """x @ wt (+ bias) over the last dimension of `x`, as one 2-D product."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.size(-1))
+    y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], wt.size(1))
+
+
+def plain_projection(m: nn.Linear) -> SimpleNamespace:
+    """A Linear's parameters as plain attributes, with the weight's transposed view (plain_linear)."""
+    return SimpleNamespace(weight=m.weight, bias=m.bias, weight_t=m.weight.t())
+
+
 class TransposedLinears:
-    """`linear` with each weight also kept transposed ([in, out], contiguous): on the CPU, MKL
+    """`plain_linear` with each weight also kept transposed ([in, out], contiguous): on the CPU, MKL
     multiplies the few rows of a decoder step by a weight in this layout faster than by fairseq's
     [out, in] (docs/benchmarks.md, "What the engine's parts save"). The products round differently
-    from fairseq's, so fixed beams, which equal fairseq's output bit for bit, keep `linear`.
+    from fairseq's, so fixed beams, which equal fairseq's output bit for bit, keep `plain_linear`.
 
     The copies are dropped by `refresh`, which generators call at the start of each generate call:
     weights may change between calls in ways a tensor does not record (fairseq's optimizers write
     `param.data`). Copying costs a pass over the weights, which pays back over many sources only,
-    so a call over fewer than `MIN_SOURCES` sources (the hub's, a few sentences) keeps `linear`."""
+    so a call over fewer than `MIN_SOURCES` sources (the hub's, a few sentences) keeps `plain_linear`."""
 
     MIN_SOURCES = 16
 
@@ -71,17 +90,14 @@ class TransposedLinears:
         self._copies.clear()
         self.active = n_sources >= self.MIN_SOURCES
 
-    def __call__(self, module: nn.Linear, x: Tensor) -> Tensor:
+    def __call__(self, module: SimpleNamespace, x: Tensor) -> Tensor:
         w = module.weight
         if not self.active or not x.is_cpu or torch.is_grad_enabled():
-            return linear(module, x)
+            return plain_linear(module, x)
         copy = self._copies.get(id(module))
         if copy is None or copy[0] is not w:
             copy = self._copies[id(module)] = (w, w.detach().t().contiguous())
-        wt = copy[1]
-        x2 = x.reshape(-1, x.size(-1))
-        y = torch.mm(x2, wt) if module.bias is None else torch.addmm(module.bias, x2, wt)
-        return y.view(*x.shape[:-1], wt.size(1))
+        return _product(x, copy[1], module.bias)
 
 
 def norm(module: nn.LayerNorm, x: Tensor) -> Tensor:
@@ -120,23 +136,21 @@ def plain_layer(layer) -> SimpleNamespace:
     a small step's math (docs/benchmarks.md, "What the engine's parts save"). It holds the layer's
     own parameter objects, so weights changed in place show at once; take it afresh for each
     generate call (BlockDecoder.start_call), as a module may be given a new parameter between calls."""
-    def lin(m):
-        return SimpleNamespace(weight=m.weight, bias=m.bias)
-
     def ln(m):
         return None if m is None else SimpleNamespace(normalized_shape=m.normalized_shape, weight=m.weight,
                                                       bias=m.bias, eps=m.eps)
 
     def attention(m):
         return None if m is None else SimpleNamespace(
-            q_proj=lin(m.q_proj), k_proj=lin(m.k_proj), v_proj=lin(m.v_proj), out_proj=lin(m.out_proj),
+            q_proj=plain_projection(m.q_proj), k_proj=plain_projection(m.k_proj),
+            v_proj=plain_projection(m.v_proj), out_proj=plain_projection(m.out_proj),
             num_heads=m.num_heads, head_dim=m.head_dim, scaling=m.scaling)
 
     return SimpleNamespace(
         self_attn=attention(layer.self_attn), encoder_attn=attention(layer.encoder_attn),
         self_attn_layer_norm=ln(layer.self_attn_layer_norm),
         encoder_attn_layer_norm=ln(getattr(layer, "encoder_attn_layer_norm", None)),
-        final_layer_norm=ln(layer.final_layer_norm), fc1=lin(layer.fc1), fc2=lin(layer.fc2),
+        final_layer_norm=ln(layer.final_layer_norm), fc1=plain_projection(layer.fc1), fc2=plain_projection(layer.fc2),
         activation_fn=layer.activation_fn, normalize_before=layer.normalize_before)
 
 
@@ -161,12 +175,12 @@ class Slots:
         return cls((~pad).view(-1).nonzero().squeeze(1).to(device or pad.device), n, m)
 
     def pack(self, x: Tensor) -> Tensor:
-        """[N, m, C] -> [T, C]."""
-        return x.reshape(self.n * self.m, x.size(-1)).index_select(0, self.index)
+        """[N, m, C] or [N * m, C] -> [T, C]."""
+        return (x if x.dim() == 2 else x.reshape(self.n * self.m, x.size(-1))).index_select(0, self.index)
 
     def unpack(self, x: Tensor) -> Tensor:
-        """[T, C] -> [N, m, C], zeros at padding."""
-        return x.new_zeros(self.n * self.m, x.size(-1)).index_copy_(0, self.index, x).view(self.n, self.m, -1)
+        """[T, C] -> [N * m, C], zeros at padding."""
+        return x.new_zeros(self.n * self.m, x.size(-1)).index_copy_(0, self.index, x)
 
 
 class SourceGroups:
@@ -196,17 +210,19 @@ class SourceGroups:
         rank = torch.arange(n, device=row_src.device) - first.index_select(0, row_src)
         return cls(row_src * width + rank, n_sources, width)
 
-    def spread(self, x: Tensor) -> Tensor:
-        """Rows [N, m, C] -> [S, width * m, C], zeros at empty slots."""
-        n, m, c = x.shape
+    def spread(self, x: Tensor, m: int) -> Tensor:
+        """Rows [N * m, C] (m slots a row) -> [S, width * m, C], zeros at empty slots."""
+        c = x.size(-1)
         if self.pos is not None:
-            x = x.new_zeros(self.n_sources * self.width, m, c).index_copy_(0, self.pos, x)
-        return x.reshape(self.n_sources, self.width * m, c)
+            x = x.new_zeros(self.n_sources * self.width, m * c).index_copy_(0, self.pos, x.view(-1, m * c))
+        return x.view(self.n_sources, self.width * m, c)
 
     def collect(self, x: Tensor, m: int) -> Tensor:
-        """[S, width * m, C] -> rows [N, m, C]."""
-        x = x.reshape(self.n_sources * self.width, m, x.size(-1))
-        return x if self.pos is None else x.index_select(0, self.pos)
+        """[S * width * m, C] -> rows [N * m, C]."""
+        if self.pos is None:
+            return x
+        c = x.size(-1)
+        return x.view(self.n_sources * self.width, m * c).index_select(0, self.pos).view(-1, c)
 
 
 def lean_layers(layers, x: Tensor, enc: Optional[Tensor], enc_mask: Optional[Tensor], state: Optional[IncState],
@@ -271,7 +287,7 @@ class LayerMath:
 
     def __init__(self, layers, lin=linear):
         self.layers = layers
-        self.lin = lin  # `linear`, or a TransposedLinears
+        self.lin = lin  # `linear` (modules), `plain_linear` (plain_layer's), or a TransposedLinears
 
     def __call__(self, x: Tensor, prev_k: List[Optional[Tensor]], prev_v: List[Optional[Tensor]],
                  key_mask: Optional[Tensor], attn_mask: Optional[Tensor], attends: bool,
@@ -281,8 +297,8 @@ class LayerMath:
         n, m = x.size(0), x.size(1)
         slots = None if slot_index is None else Slots(slot_index, n, m)
         groups = None if width == 0 else SourceGroups(pos, n_sources, width)
-        if slots is not None:
-            x = slots.pack(x)
+        # per-slot rows [N * m, C] (or the real slots [T, C]): 2-D products dispatch fewer views
+        x = x.reshape(n * m, x.size(2)) if slots is None else slots.pack(x)
         masks: Dict[tuple, Optional[Tensor]] = {}  # additive masks by (kind, heads): layers may differ in heads
         ks, vs, cks, cvs = [], [], [], []
         for layer, pk, pv, ck, cv in zip(self.layers, prev_k, prev_v, cross_k, cross_v):
@@ -295,13 +311,14 @@ class LayerMath:
                 if ("cross", heads) not in masks:
                     masks["cross", heads] = _additive(cross_mask, None, heads, x.dtype)
                 cross_add = masks["cross", heads]
-            x, k, v, ck, cv = _layer(layer, x, attends, enc, pk, pv, rows, masks["self", layer.self_attn.num_heads],
-                                     ck, cv, cross_add, slots, groups, self.lin)
+            x, k, v, ck, cv = _layer(layer, x, n, m, attends, enc, pk, pv, rows,
+                                     masks["self", layer.self_attn.num_heads], ck, cv, cross_add, slots, groups,
+                                     self.lin)
             ks.append(k)
             vs.append(v)
             cks.append(ck)
             cvs.append(cv)
-        return x, ks, vs, cks, cvs
+        return (x.view(n, m, x.size(1)) if slots is None else x), ks, vs, cks, cvs
 
 
 def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: int, dtype) -> Optional[Tensor]:
@@ -317,15 +334,17 @@ def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: in
     return add.expand(n, heads, add.size(2), length).reshape(n * heads, add.size(2), length)
 
 
-def _layer(layer, x: Tensor, attends: bool, enc: Optional[Tensor], prev_k: Optional[Tensor], prev_v: Optional[Tensor],
-           rows: Optional[Tensor], self_add: Optional[Tensor], cross_k: Optional[Tensor], cross_v: Optional[Tensor],
-           cross_add: Optional[Tensor], slots: Optional[Slots], groups: Optional[SourceGroups], lin=linear):
+def _layer(layer, x: Tensor, n: int, m: int, attends: bool, enc: Optional[Tensor], prev_k: Optional[Tensor],
+           prev_v: Optional[Tensor], rows: Optional[Tensor], self_add: Optional[Tensor], cross_k: Optional[Tensor],
+           cross_v: Optional[Tensor], cross_add: Optional[Tensor], slots: Optional[Slots],
+           groups: Optional[SourceGroups], lin=linear):
+    """One decoder layer on the block's slots `x` [N * m, C] (packed: [T, C])."""
     pre = layer.normalize_before
     x, k, v = sublayer(pre, layer.self_attn_layer_norm, x,
-                       lambda y: _self_attention(layer.self_attn, y, prev_k, prev_v, rows, self_add, slots, lin))
+                       lambda y: _self_attention(layer.self_attn, y, n, m, prev_k, prev_v, rows, self_add, slots, lin))
     if layer.encoder_attn is not None and attends:  # as fairseq: no encoder output, no cross-attention
         x, cross_k, cross_v = sublayer(pre, layer.encoder_attn_layer_norm, x, lambda y: _cross_attention(
-            layer.encoder_attn, y, enc, cross_k, cross_v, cross_add, slots, groups, lin))
+            layer.encoder_attn, y, n, m, enc, cross_k, cross_v, cross_add, slots, groups, lin))
     return feed_forward(layer, x, lin), k, v, cross_k, cross_v
 
 
@@ -345,29 +364,30 @@ def feed_forward(layer, x: Tensor, lin=linear) -> Tensor:
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, add: Optional[Tensor], n: int, m: int) -> Tensor:
-    """Scaled queries [N, m, H*d] over cached keys/values [N, H, L, d]; softmax in float32 like
-    fairseq (utils.softmax). Returns [N, m, H*d]."""
+    """Scaled queries [N * m, H*d] (m slots a row) over cached keys/values [N, H, L, d]; softmax in
+    float32 like fairseq (utils.softmax). Returns [N * m, H*d]; one slot a row needs no transposes."""
     h, length, d = k.size(1), k.size(2), k.size(3)
-    q3 = q.view(n, m, h, d).transpose(1, 2).reshape(n * h, m, d)
+    q3 = q.view(n * h, 1, d) if m == 1 else q.view(n, m, h, d).transpose(1, 2).reshape(n * h, m, d)
     k3 = k.reshape(n * h, length, d)  # a view for the cache layout (heads of a row adjacent)
     v3 = v.reshape(n * h, length, d)
     scores = torch.bmm(q3, k3.transpose(1, 2)) if add is None else torch.baddbmm(add, q3, k3.transpose(1, 2))
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
-    return torch.bmm(probs, v3).view(n, h, m, d).transpose(1, 2).reshape(n, m, h * d)
+    out = torch.bmm(probs, v3)
+    return out.view(n, h * d) if m == 1 else out.view(n, h, m, d).transpose(1, 2).reshape(n * m, h * d)
 
 
 def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
-    """Per-slot rows back in block layout [N, m, C] for attention (unchanged when not packed)."""
+    """Per-slot rows [N * m, C] for attention, zeros at padding (unchanged when not packed)."""
     return x if slots is None else slots.unpack(x)
 
 
-def _self_attention(mha: MultiheadAttention, x: Tensor, prev_k: Optional[Tensor], prev_v: Optional[Tensor],
-                    rows: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots], lin=linear):
+def _self_attention(mha: MultiheadAttention, x: Tensor, n: int, m: int, prev_k: Optional[Tensor],
+                    prev_v: Optional[Tensor], rows: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
+                    lin=linear):
     """Attention output, and the keys and values with the block appended to `prev_k`/`prev_v`
     (rows `rows` of them, when given)."""
     h, d = mha.num_heads, mha.head_dim
     q = _block(lin(mha.q_proj, x) * mha.scaling, slots)
-    n, m, _ = q.shape
     k = _block(lin(mha.k_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     v = _block(lin(mha.v_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     if prev_k is not None:
@@ -395,16 +415,15 @@ def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
     return x if slots is None else slots.pack(x)
 
 
-def _cross_attention(mha: MultiheadAttention, x: Tensor, enc: Optional[Tensor], k: Optional[Tensor],
+def _cross_attention(mha: MultiheadAttention, x: Tensor, n: int, m: int, enc: Optional[Tensor], k: Optional[Tensor],
                      v: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
                      groups: Optional[SourceGroups], lin=linear):
     """Attention over the cached encoder keys `k`/`v`, else over keys computed from `enc`; with
     `groups`, keys cached per source. Returns the output and the keys and values."""
     q = _block(lin(mha.q_proj, x) * mha.scaling, slots)
-    n, m, _ = q.shape
     h, d = mha.num_heads, mha.head_dim
     if groups is not None:
-        out = _attend(groups.spread(q), k, v, add, groups.n_sources, groups.width * m)  # type: ignore[arg-type]
+        out = _attend(groups.spread(q, m), k, v, add, groups.n_sources, groups.width * m)  # type: ignore[arg-type]
         return lin(mha.out_proj, groups.collect(out, m)), k, v
     if k is None:
         assert enc is not None
