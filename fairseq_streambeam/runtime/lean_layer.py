@@ -396,12 +396,18 @@ def _self_attention(mha: MultiheadAttention, x: Tensor, n: int, m: int, prev_k: 
     return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v
 
 
+FUSED_APPEND_MIN = 1 << 16  # cached elements from which a reorder and an append share one copy (`_append`)
+
+
 def _append(prev: Tensor, new: Tensor, rows: Optional[Tensor]) -> Tensor:
     """`new` [N, H, m, d] appended to cached slots `prev` [*, H, L, d] (rows `rows` of them): one
-    copy of the cache, where reordering and appending apart would copy it twice."""
+    copy of a large cache, where reordering and appending apart would copy it twice. A small
+    cache is copied twice: the strided write costs more host time than the second copy saves
+    (CPU crossover about 100K elements; docs/benchmarks.md, "Host work per step")."""
     if rows is None:
         return torch.cat([prev, new], dim=2)
-    if torch.compiler.is_compiling() or torch.is_grad_enabled():  # inductor fuses the pair itself; out= has no grad
+    # inductor fuses the pair itself; out= has no grad
+    if prev.numel() < FUSED_APPEND_MIN or torch.compiler.is_compiling() or torch.is_grad_enabled():
         return torch.cat([prev.index_select(0, rows), new], dim=2)
     length = prev.size(2)
     out = new.new_empty(new.size(0), new.size(1), length + new.size(2), new.size(3))
