@@ -21,7 +21,9 @@ import torch
 from fairseq import utils
 
 from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, model_files_problem
-from .data import add_input_args
+from .data import CorpusOrder, Head, add_input_args, from_data_bin, from_raw
+from .memory import PeakMemory
+from .report import markdown_table, write_plots
 from .variants import BUILTIN, Variant, load_config, parse_methods
 
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
@@ -130,10 +132,6 @@ def main(argv=None):
 
     from fairseq_streambeam.loader import load_models, load_task, wants_cuda
 
-    from . import data as bench_data
-    from .memory import PeakMemory
-    from .report import markdown_table, write_plots
-
     problem = _usage_problem(args, settings, variants)
     if problem:
         raise UsageError(problem)
@@ -147,11 +145,11 @@ def main(argv=None):
     task = load_task(args.data, args.source_lang, args.target_lang)
     models = load_models(task, args.path, use_cuda, settings["fp16"])
     if args.src:
-        ts = bench_data.from_raw(task, args.src, args.ref, settings["limit"], args.tokenizer, args.bpe,
-                                 args.bpe_codes, args.sentencepiece_model)
+        ts = from_raw(task, args.src, args.ref, settings["limit"], args.tokenizer, args.bpe, args.bpe_codes,
+                      args.sentencepiece_model)
     else:
         try:
-            ts = bench_data.from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
+            ts = from_data_bin(task, args.gen_subset, settings["limit"], args.post_process)
         except FileNotFoundError as e:  # fairseq: "Dataset not found: SPLIT (DIR)"
             raise UsageError(f"--gen-subset {args.gen_subset}: {e}") from None
     n = len(ts.dataset)
@@ -315,8 +313,6 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
     from fairseq.tasks.translation import TranslationTask
 
     from fairseq_streambeam.drafters.oracle import OracleDrafter
-
-    from .data import CorpusOrder, Head
 
     spec = variant_spec(v, settings, lmbr_file)
     if spec.decoding == "fairseq":  # fairseq's own generator; the bench scores each source's best (nbest 1)
