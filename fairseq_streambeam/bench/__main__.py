@@ -263,8 +263,7 @@ def _greedy_truth(task, models, variants, settings: dict, ts, use_cuda: bool):
         return None
     from tqdm import tqdm
 
-    with tqdm(total=len(ts.dataset), disable=True) as bar:
-        hyps, _ = run_variant(task, models, Variant("greedy", "greedy", beam=1), settings, ts, bar, use_cuda)
+    hyps, _ = run_variant(task, models, Variant("greedy", "greedy", beam=1), settings, ts, tqdm(disable=True), use_cuda)
     return {tuple(ts.dataset.src[i].tolist()): hyps[i] for i in range(len(ts.dataset))}
 
 
