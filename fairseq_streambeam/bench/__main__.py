@@ -164,14 +164,16 @@ def main(argv=None):
         task.lmbr_posteriors(lmbr_file)  # parsed once, before the timed repeats (the task keeps them)
     ct2 = _ct2_translator(args, variants, threads, use_cuda, settings["fp16"])
     oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
+
+    def decode(v: Variant, bar, first_batch: bool = False):  # one pass: hypotheses by sentence, counters
+        if v.decoding == "ct2":
+            return _run_ct2(ct2, v, settings, ts, task.target_dictionary, bar, first_batch)
+        return run_variant(task, models, v, settings, ts, bar, use_cuda, oracle, lmbr_file, first_batch)
+
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0, "warmup": 0.0} for v in variants}
     for v in variants:  # untimed: the first batch, where first calls, drafters' tables and compiling cost
         t0 = time.perf_counter()
-        if v.decoding == "ct2":
-            _run_ct2(ct2, v, settings, ts, task.target_dictionary, first_batch=True)
-        else:
-            run_variant(task, models, v, settings, ts, tqdm(disable=True), use_cuda, oracle, lmbr_file,
-                        first_batch=True)
+        decode(v, tqdm(disable=True), first_batch=True)
         runs[v.name]["warmup"] = time.perf_counter() - t0
     for rep in range(settings["repeats"]):
         for v in variants:
@@ -179,11 +181,7 @@ def main(argv=None):
                        leave=False, file=sys.stderr)
             with PeakMemory(use_cuda) as mem:
                 t0 = time.perf_counter()
-                if v.decoding == "ct2":
-                    hyps, counters = _run_ct2(ct2, v, settings, ts, task.target_dictionary)
-                    bar.update(n)
-                else:
-                    hyps, counters = run_variant(task, models, v, settings, ts, bar, use_cuda, oracle, lmbr_file)
+                hyps, counters = decode(v, bar)
                 dt = time.perf_counter() - t0
             bar.close()
             r = runs[v.name]
@@ -371,7 +369,7 @@ def _ct2_translator(args, variants, threads, use_cuda: bool, fp16: bool = False)
                                   compute_type="float16" if half else "default")
 
 
-def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: bool = False):
+def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, bar, first_batch: bool = False):
     """Same beam, threads and fp32; min_decoding_length=1 as fairseq's --min-len 1 (no empty
     output). In corpus order each call gets one batch of consecutive sentences (CTranslate2 may sort
     within it); `first_batch`: one batch's worth of sentences only."""
@@ -386,6 +384,7 @@ def _run_ct2(translator, v: Variant, settings: dict, ts, tgt_dict, first_batch: 
                                           length_penalty=settings["lenpen"], max_decoding_length=settings["max_len_b"],
                                           min_decoding_length=1)
     hyps = {i: [tgt_dict.index(tok) for tok in r.hypotheses[0]] + [tgt_dict.eos()] for i, r in enumerate(res)}
+    bar.update(len(hyps))
     return hyps, None
 
 
