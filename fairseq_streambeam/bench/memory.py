@@ -5,13 +5,11 @@ import threading
 
 import torch
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
 
 def _rss_bytes() -> int:
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+        with open("/proc/self/statm") as f:  # Linux only, where os.sysconf exists
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
 
@@ -47,7 +45,4 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, _rss_bytes())
-
-    @property
-    def peak_mb(self) -> float:
-        return round(self.peak / 2**20, 1)
+        self.peak_mb: float = round(self.peak / 2**20, 1)
