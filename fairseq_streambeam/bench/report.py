@@ -1,5 +1,6 @@
 """Benchmark output: a Markdown table shaped like the paper's Table 1, and PNG plots."""
 
+import logging
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -24,8 +25,6 @@ def markdown_table(rows: List[dict]) -> str:
 def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> List[Path]:
     """Median model step time against current target length (paper Fig. 2), and time vs BLEU."""
     try:
-        import logging
-
         import matplotlib
 
         logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's root logger is verbose
