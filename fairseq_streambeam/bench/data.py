@@ -75,9 +75,8 @@ def from_data_bin(task, subset: str, limit: int, post_process: Optional[str],
     keep = _every(len(ds), limit, lines)
     src = [ds.src[i] for i in keep]
     tgt = [ds.tgt[i] for i in keep]
-    dataset = LanguagePairDataset(src, [len(x) for x in src], task.source_dictionary, tgt, [len(x) for x in tgt],
-                                  task.target_dictionary)
-    tgt_dict, src_dict = task.target_dictionary, task.source_dictionary
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    dataset = LanguagePairDataset(src, [len(x) for x in src], src_dict, tgt, [len(x) for x in tgt], tgt_dict)
     refs = [tgt_dict.string(t, post_process, escape_unk=True) for t in tgt]  # as fairseq-generate's T- lines
     return TestSet(dataset, refs, lambda ids: tgt_dict.string(torch.tensor(ids), post_process),
                    [[src_dict[i] for i in s[:-1].tolist()] for s in src], keep)
