@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 
 import torch
 from fairseq import utils
+from tqdm import tqdm
 
 from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, model_files_problem
 from .data import CorpusOrder, Head, add_input_args, from_data_bin, from_raw
@@ -128,7 +129,6 @@ def main(argv=None):
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     import sacrebleu
-    from tqdm import tqdm
 
     from fairseq_streambeam.loader import load_models, load_task, wants_cuda
 
@@ -259,8 +259,6 @@ def _greedy_truth(task, models, variants, settings: dict, ts, use_cuda: bool):
     """For gad-oracle: greedy outputs keyed by source tokens, decoded once before timing starts."""
     if not any(v.decoding == "gad-oracle" for v in variants):
         return None
-    from tqdm import tqdm
-
     hyps, _ = run_variant(task, models, Variant("greedy", "greedy", beam=1), settings, ts, tqdm(disable=True), use_cuda)
     return {tuple(ts.dataset.src[i].tolist()): hyps[i] for i in range(len(ts.dataset))}
 
