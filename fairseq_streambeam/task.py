@@ -158,8 +158,12 @@ class StreamBeamTranslationTask(TranslationTask):
             # separate dictionaries (e.g. WMT'19 Ru-En): copy each source token as the target token it spells
             vocab_map = None if src_d.symbols == tgt_d.symbols else [tgt_d.index(w) for w in src_d.symbols]
             return InputCopyDrafter(spec.iad_ngram, spec.block_size, vocab_map=vocab_map)
-        if spec.drafter:
-            return ModelDrafter(self._drafter_model(spec.drafter, model), tgt_d, spec.block_size)
+        if spec.drafter:  # loaded once per task (a bench must not time it), on the verifier's device and dtype
+            p = next(model.parameters())
+            key = (spec.drafter, p.device, p.dtype)
+            if key not in self._drafters:
+                self._drafters[key] = load_drafter(spec.drafter, self, like=model)
+            return ModelDrafter(self._drafters[key], tgt_d, spec.block_size)
         key = ("lookup", spec.draft_lookup, spec.draft_lookup_order)  # built once per task (a bench repeats)
         if key not in self._drafters:
             try:  # the file's or the order's mistakes are the user's: one line
@@ -168,15 +172,6 @@ class StreamBeamTranslationTask(TranslationTask):
                 raise UsageError(f"--draft-lookup {spec.draft_lookup}: {e}") from None
         return LookupDrafter(self._drafters[key], bos=tgt_d.eos(), eos=tgt_d.eos(),
                              block_size=spec.block_size or LOOKUP_BLOCK)
-
-    def _drafter_model(self, path: str, like):
-        """The drafter checkpoint on the verifier's device and dtype, loaded once per task (a
-        benchmark builds a generator per repeat and must not time checkpoint loading)."""
-        p = next(like.parameters())
-        key = (path, p.device, p.dtype)
-        if key not in self._drafters:
-            self._drafters[key] = load_drafter(path, self, like=like)
-        return self._drafters[key]
 
     _lmbr_loaded: tuple | None = None  # (path, mtime, size, posteriors) of the last posteriors file read
 
