@@ -299,8 +299,7 @@ class ShardDecoder:
                 out[sid] = "\t".join(self.codec.decode(h["tokens"].tolist()).replace("\n", " ") for h in best)
             progress.update(len(hypos))
         after = self.gen.counters.as_dict()
-        counters = {k: round(after[k] - before[k], 3) for k in after
-                    if isinstance(after[k], (int, float)) and k in _ADDITIVE}
+        counters = {k: round(after[k] - before[k], 3) for k in after if k in _ADDITIVE}
         return [out[i] for i in range(len(raw))], counters, bad
 
     def _check_segmentation(self, src: List) -> None:
