@@ -93,9 +93,9 @@ def read_lines(paths: List[str]) -> Tuple[List[bytes], List[dict]]:
     for path in paths:
         data = Path(path).read_bytes()
         file_lines = data.split(b"\n")
-        if file_lines and file_lines[-1] == b"":
+        if file_lines[-1] == b"":  # (split gives at least one item)
             file_lines.pop()
-        lines += [x[:-1] if x.endswith(b"\r") else x for x in file_lines]
+        lines += [x.removesuffix(b"\r") for x in file_lines]
         files.append({"path": str(path), "lines": len(file_lines), "sha256": hashlib.sha256(data).hexdigest()})
     return lines, files
 
@@ -136,7 +136,7 @@ def run_key(args) -> str:
 def _id_keyed(args) -> List[str]:
     """--lmbr-posteriors and --token-masks files: they key sentences by corpus line, so a shard's
     output also depends on where it starts."""
-    return [f for f in (getattr(args, "lmbr_posteriors", None), getattr(args, "token_masks", None)) if f]
+    return [f for f in (args.lmbr_posteriors, args.token_masks) if f]
 
 
 def shard_key(run: str, lines: List[bytes], first: Optional[int] = None) -> str:
