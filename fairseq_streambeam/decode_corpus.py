@@ -79,7 +79,7 @@ def parse_args(argv=None):
     try:
         check_args(args)
     except UsageError as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+        p.error(str(e))
     return args
 
 
@@ -329,8 +329,7 @@ def decode(args) -> int:
     """Decode this worker's shards that are not done, then merge when every shard is."""
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     out_dir = Path(args.output_dir)
-    shard_dir = out_dir / "shards"
-    shard_dir.mkdir(parents=True, exist_ok=True)
+    shard_dir = out_dir / "shards"  # made by check_args
     lines, files = read_lines(args.input)
     ranges = shard_ranges(len(lines), args.shard_lines)
     options = {k: v for k, v in vars(args).items() if k not in ("output_dir", "quiet")}
