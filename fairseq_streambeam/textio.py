@@ -26,14 +26,13 @@ def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optiona
     """Why `bpe` cannot be built from these options, in one line (None: it can)."""
     if bpe not in BPES:
         return f"--bpe {bpe}: not one of {', '.join(BPES)}"
-    if bpe == "sentencepiece" and not sentencepiece_model:
-        return "--bpe sentencepiece needs --sentencepiece-model"
-    if bpe in ("fastbpe", "subword_nmt") and not bpe_codes:
-        return f"--bpe {bpe} needs --bpe-codes"
-    path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes if bpe in ("fastbpe", "subword_nmt") else None
-    if path and "://" not in path:  # fairseq also opens URLs
-        return file_problem("--sentencepiece-model" if bpe == "sentencepiece" else "--bpe-codes", path)
-    return None
+    needs = {"sentencepiece": "--sentencepiece-model", "fastbpe": "--bpe-codes", "subword_nmt": "--bpe-codes"}.get(bpe)
+    if not needs:
+        return None
+    path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes
+    if not path:
+        return f"--bpe {bpe} needs {needs}"
+    return None if "://" in path else file_problem(needs, path)  # fairseq also opens URLs
 
 
 def file_problem(flag: str, path: str) -> Optional[str]:
