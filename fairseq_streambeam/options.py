@@ -1,6 +1,7 @@
 """Command-line options of the plugin: fields of the task's dataclass, checked at parse time and
 reported in one line; their meaning and validation live in spec.py (`DecodeSpec`)."""
 
+import contextlib
 import dataclasses
 import math
 import multiprocessing
@@ -114,10 +115,8 @@ def install_usage_error_hook() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             for child in multiprocessing.active_children():  # e.g. fairseq-generate's data-loader worker,
-                try:  # which would print a traceback of its own when its connection drops
-                    child.terminate()
-                except OSError:  # already gone
-                    pass
+                with contextlib.suppress(OSError):  # which would print a traceback of its own when its
+                    child.terminate()  # connection drops (OSError: already gone)
             os._exit(2)  # argparse's status for a usage error (an excepthook cannot raise SystemExit)
         else:
             previous(kind, value, tb)
