@@ -52,7 +52,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    "--fp16, which does so on a CPU too); scores stay float32")
 
 
-def check_model_options(args: argparse.Namespace, positive=("batch_size", "max_tokens", "threads")) -> None:
+def check_model_options(args: argparse.Namespace, positive: typing.Sequence[str]) -> None:
     """Every check that needs no model: the decoding spec (spec.from_cli), the files it names, the
     `positive` counts, and that the dictionaries, checkpoints and BPE files exist."""
     check_files(from_cli(args, args))
