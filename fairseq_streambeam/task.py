@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 import torch
 from fairseq.tasks import register_task
-from fairseq.tasks.translation import TranslationTask
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from .drafters.block_model import ModelDrafter
 from .drafters.input_copy import InputCopyDrafter
@@ -26,7 +26,7 @@ from .drafters.ngram_lookup import LOOKUP_BLOCK, LookupDrafter, NgramTable
 from .generators.aggressive import AggressiveGenerator
 from .generators.stream_beam import StreamBeamGenerator
 from .models.block_drafter import load_drafter
-from .options import StreamBeamConfig, check_at_parse_time, install_usage_error_hook, plugin_fields
+from .options import StreamBeamConfig, check_at_parse_time, install_usage_error_hook
 from .runtime.counters import Counters
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
@@ -242,7 +242,7 @@ def attach_to_hub(hub, **options):
     finish_count=1)`. Each call is a new command line: fairseq's translation options are kept, the
     plugin's own return to their defaults unless given. Returns the hub."""
     old = hub.task
-    names = {f.name for f in dataclasses.fields(StreamBeamConfig)} - {f.name for f in plugin_fields()}
+    names = {f.name for f in dataclasses.fields(TranslationConfig)}  # fairseq's translation options
     base = {k: getattr(old.cfg, k) for k in names if hasattr(old.cfg, k) and k not in options}
     base.setdefault("train_subset", "train")
     base.setdefault("required_seq_len_multiple", 1)
