@@ -153,7 +153,7 @@ def check_at_parse_time(parser) -> None:
                 if problem:
                     raise UsageError(problem)
         except UsageError as e:
-            parser.exit(2, f"{parser.prog}: error: {e}\n")
+            parser.error(str(e))  # one line (set below)
         return ns, extra
 
     parser.parse_known_args = parse_and_check
