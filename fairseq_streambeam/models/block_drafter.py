@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from fairseq.models import register_model, register_model_architecture
@@ -99,8 +99,8 @@ def load_drafter(path: str, task, like: Optional[torch.nn.Module] = None) -> Blo
     return model.eval()
 
 
-def init_from_checkpoint(model: torch.nn.Module, path: str) -> Tuple[int, int]:
-    """Copy every tensor of the checkpoint whose name and shape match; returns (copied, skipped)."""
+def init_from_checkpoint(model: torch.nn.Module, path: str) -> int:
+    """Copy every tensor of the checkpoint whose name and shape match; returns how many were copied."""
     from fairseq import checkpoint_utils
 
     src = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
@@ -108,7 +108,7 @@ def init_from_checkpoint(model: torch.nn.Module, path: str) -> Tuple[int, int]:
     take = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(take, strict=False)
     logger.info("block_drafter: initialised %d of %d tensors from %s", len(take), len(own), path)
-    return len(take), len(own) - len(take)
+    return len(take)
 
 
 def training_blocks(target: Tensor, pad: int, bos: int, mask: int, k: int, prefix_len: Optional[Tensor] = None):
