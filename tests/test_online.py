@@ -84,6 +84,25 @@ def test_online_aggressive_equals_offline():
     assert_same_hypos(online, offline, atol=1e-5, msg="iad")
 
 
+@pytest.mark.parametrize("decoding", ["beam", "var-stream", "iad"])
+def test_online_reads_the_models_as_they_are_when_built(decoding):
+    """A parameter replaced after an offline generate call is what a later online decoder decodes
+    with (the generator reads the models afresh, as each generate call does), and the online
+    decoder takes the same lean plain-attribute path."""
+    models = [random_transformer(D, 34).double()]
+    sample = make_sample(D, SENTS)
+    kw = dict(decoding=decoding, max_len_b=14)
+    make = (lambda: AggressiveGenerator(models, D, **kw)) if decoding == "iad" else (
+        lambda: StreamBeamGenerator(models, D, beam_size=3, **kw))
+    gen = make()
+    gen.generate(models, sample)
+    fc1 = models[0].decoder.layers[0].fc1
+    fc1.weight = torch.nn.Parameter(torch.randn_like(fc1.weight) * 3)  # a new object
+    online, _ = _online(gen, [2, 0, 3])
+    assert gen.blocks[0].call_math is not None
+    assert_same_hypos(online, _offline(lambda smp: make().generate(models, smp)), atol=1e-6, msg=decoding)
+
+
 def test_drop_waiting_and_refuse_bad_sources():
     gen = StreamBeamGenerator(MODELS, D, budget=Budget(max_sentences=2), **KW)
     dec = OnlineDecoder(gen)

@@ -137,13 +137,18 @@ class AggressiveGenerator(SequenceGenerator):
             raise NotImplementedError("aggressive decoding does not support lexical constraints")
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self)
-        for block in self.blocks:
-            block.start_call(len(srcs))
+        self.start_call(len(srcs))
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(len(srcs))]
         self.driver.run(self.engine(srcs, results, prefix_tokens, bos_token), srcs.lengths, range(len(srcs)))
         self.counters.sentences += len(srcs)
         self.counters.total_seconds += time.perf_counter() - t0
         return results
+
+    def start_call(self, n_sources: int) -> None:
+        """Read the models as they are now, for a generate call over `n_sources` sources or an online
+        decoder (0)."""
+        for block in self.blocks:
+            block.start_call(n_sources)
 
     @staticmethod
     def sorted_hypotheses(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:

@@ -5,6 +5,8 @@ time (`add`); each `step` admits waiting sources when the generator's scheduler 
 cohort and returns the sources that finished, with their hypotheses. A source's output is the one
 offline decoding gives it: every source evolves independently of the others (runtime/driver.py).
 This is what a server's decoding loop drives (serve.py); it is not thread-safe, so one thread owns it.
+The models are read as they are when it is built (the generator's `start_call`): convert them, or
+change their weights, before building it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class OnlineDecoder:
             raise ValueError("online decoding takes no per-sentence scorers (LMBR posteriors, token masks): "
                              "they are keyed by sentence ids of a test set")
         self.gen = generator
+        generator.start_call(0)
         device = next(generator.model.models[0].parameters()).device
         self.srcs = OnlineSources(generator.pad, device)
         self.results: Dict[int, List[Dict[str, Tensor]]] = defaultdict(list)

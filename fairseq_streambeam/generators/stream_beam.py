@@ -223,6 +223,13 @@ class StreamBeamGenerator(SequenceGenerator):
         self.scorer = ScorerStack(scorers) if scorers else None
         self.counters = Counters()
 
+    def start_call(self, n_sources: int) -> None:
+        """Read the models as they are now (they may have been converted, e.g. model.half(), or given
+        new parameters) for a generate call over `n_sources` sources, or an online decoder (0)."""
+        self._choose_steps()
+        for block in self.blocks:
+            block.start_call(n_sources)
+
     def _choose_steps(self) -> None:
         """Lean block steps where the layers allow them and the models are in full precision; the
         block step for rows at different steps (ragged orders) or lean steps; else fairseq's step."""
@@ -239,9 +246,7 @@ class StreamBeamGenerator(SequenceGenerator):
         t0 = time.perf_counter()
         srcs = Sources.from_sample(sample, self)
         n_src, lengths = len(srcs), srcs.lengths
-        self._choose_steps()  # the models may have been converted (model.half()) since the last call
-        for block in self.blocks:
-            block.start_call(n_src)
+        self.start_call(n_src)
         results: List[List[Dict[str, Tensor]]] = [[] for _ in range(n_src)]
         engine = self.engine(srcs, results, prefix_tokens, bos_token)
         # streaming admits sources by length (shortest first: cohorts pad little; longest first: long
