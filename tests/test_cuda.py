@@ -124,8 +124,8 @@ def on_device():
 #
 # Beam search, StreamBeamGenerator._step (generators/stream_beam.py): a decoder step of
 # fixed-width beam search in which no source finishes makes exactly
-#   1 device-to-host copy: the step's decisions (`StepHost`, one `to_host` in generators/common.py,
-#     "the one host sync of the step"), and
+#   1 device-to-host copy: the ranked candidates, from which the host decides (`StepHost`; one
+#     `to_host` in generators/common.py, "the one host sync of the step"), and
 #   5 host-to-device uploads of index arrays computed on the host from it (`torch.from_numpy(...)
 #     .to(dev)`, in _advance): kept positions, their parents, each kept row's source, the live mask,
 #     the rows the decoder cache keeps,
@@ -146,7 +146,7 @@ FINISHING_STEP_MAX = 6 + 3 + 1
 #     writes -inf with masked_fill (a Python number: no upload);
 #   rank_candidates with every row live skips the boolean-mask reads and writes of carried rows
 #     (5 syncs on a step with some); its per-source grid is indexed with device long tensors;
-#     the sticky rule, delta pruning and `done` (max_len_t <= steps_t) stay on the device;
+#     the sticky rule, delta pruning and `done` are decided on the host, after the one copy;
 #   then the 1 + 5 of beam search; no lost EOS, so no backoff hypothesis; `_tidy_ragged` cuts the
 #     masked slots off the cache as a view, by the host count `top` (nothing read back).
 # A step where sources finish adds at most 3 (_hypotheses of the final ones) + 3 (_hypotheses of

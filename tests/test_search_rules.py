@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from fairseq_streambeam.runtime.scheduler import Budget, Scheduler
 from fairseq_streambeam.search.beam_state import Beams, rank_candidates
 from fairseq_streambeam.search.finalize import (
     FairseqFinalize,
-    Ranked,
+    RankedHost,
     StickyFinalize,
     build_finalize,
     finished_per_source,
@@ -20,48 +21,45 @@ EOS, PAD = 2, 1
 NEG = -math.inf
 
 
-def ranked(scores, tokens, carried=None):
-    s = torch.tensor(scores)
-    t = torch.tensor(tokens)
-    valid = s > NEG
-    c = torch.zeros_like(valid) if carried is None else torch.tensor(carried)
-    return Ranked(scores=s, parent=torch.zeros_like(t), token=t, valid=valid, is_eos=valid & (t == EOS), carried=c)
+def ranked(scores, tokens):
+    t = np.array(tokens)
+    return RankedHost.of(np.array(scores, dtype=np.float32), np.zeros_like(t), t, EOS, PAD)
 
 
 def test_fairseq_rule_finalizes_eos_in_top_k_and_keeps_first_k_others():
     r = ranked([[-1.0, -1.5, -2.0, -2.5]], [[EOS, 7, EOS, 8]])
-    final, keep = FairseqFinalize(beam_size=2).decide(r, torch.tensor([0]))
+    final, keep = FairseqFinalize(beam_size=2).decide(r, np.array([0]))
     assert final.tolist() == [[True, False, False, False]]  # EOS at rank 2 is outside the top k=2
     assert keep.tolist() == [[False, True, False, True]]
 
 
 def test_fairseq_rule_stops_at_k_finished():
     r = ranked([[-1.0, -1.5, -2.0, -2.5]], [[EOS, EOS, 7, 8]])
-    final, _ = FairseqFinalize(beam_size=2).decide(r, torch.tensor([1]))
+    final, _ = FairseqFinalize(beam_size=2).decide(r, np.array([1]))
     assert final.tolist() == [[True, False, False, False]]
 
 
 def test_sticky_rule_finalizes_only_a_leading_run_of_ended():
-    r = ranked([[-1.0, -1.2, -1.5]], [[PAD, 7, EOS]], carried=[[True, False, False]])
-    final, keep = StickyFinalize(beam_size=3, finish_count=1).decide(r, torch.tensor([0]))
+    r = ranked([[-1.0, -1.2, -1.5]], [[PAD, 7, EOS]])
+    final, keep = StickyFinalize(beam_size=3, finish_count=1).decide(r, np.array([0]))
     assert final.tolist() == [[True, False, False]]
     assert keep.tolist() == [[False, True, True]]  # the EOS at rank 2 stays on the beam, not final
     r = ranked([[-1.0, -1.2, -1.5]], [[7, EOS, 8]])
-    final, keep = StickyFinalize(beam_size=3, finish_count=1).decide(r, torch.tensor([0]))
+    final, keep = StickyFinalize(beam_size=3, finish_count=1).decide(r, np.array([0]))
     assert not final.any() and keep.tolist() == [[True, True, True]]
 
 
 def test_sticky_finish_count_caps_a_leading_run():
     """A leading run of three ended candidates: z = 2 finalizes two (and the source is done), z = k
     all three; z defaults to k."""
-    r = ranked([[-1.0, -1.1, -1.2, -1.5]], [[PAD, EOS, EOS, 7]], carried=[[True, False, False, False]])
-    final, keep = StickyFinalize(beam_size=4, finish_count=2).decide(r, torch.tensor([0]))
+    r = ranked([[-1.0, -1.1, -1.2, -1.5]], [[PAD, EOS, EOS, 7]])
+    final, keep = StickyFinalize(beam_size=4, finish_count=2).decide(r, np.array([0]))
     assert final.tolist() == [[True, True, False, False]]
     assert keep.tolist() == [[False, False, True, True]]
-    final, _ = StickyFinalize(beam_size=4, finish_count=4).decide(r, torch.tensor([0]))
+    final, _ = StickyFinalize(beam_size=4, finish_count=4).decide(r, np.array([0]))
     assert final.tolist() == [[True, True, True, False]]
     assert StickyFinalize(beam_size=4).target == 4
-    final, _ = StickyFinalize(beam_size=4, finish_count=3).decide(r, torch.tensor([1]))  # one already final
+    final, _ = StickyFinalize(beam_size=4, finish_count=3).decide(r, np.array([1]))  # one already final
     assert final.tolist() == [[True, True, False, False]]
 
 
@@ -83,16 +81,16 @@ def test_finish_count_and_nbest_are_checked():
 
 def test_sticky_width_shrinks_with_finished():
     r = ranked([[-1.0, -1.2, -1.5]], [[7, 8, 9]])
-    _, keep = StickyFinalize(beam_size=3, finish_count=3).decide(r, torch.tensor([2]))
+    _, keep = StickyFinalize(beam_size=3, finish_count=3).decide(r, np.array([2]))
     assert keep.tolist() == [[True, False, False]]
 
 
 def test_threshold_is_relative_to_best_of_candidates_and_finished():
     p = Pruning(beam_size=4, delta=1.0)
-    s = torch.tensor([[-1.0, -1.9, -2.1, NEG]])
-    keep = p.threshold_keep(s, s > NEG, torch.tensor([NEG]))
+    s = np.array([[-1.0, -1.9, -2.1, NEG]], dtype=np.float32)
+    keep = p.threshold_keep(s, s > NEG, np.array([NEG], dtype=np.float32))
     assert keep.tolist() == [[True, True, False, False]]
-    keep = p.threshold_keep(s, s > NEG, torch.tensor([-0.5]))  # a better finished hypothesis
+    keep = p.threshold_keep(s, s > NEG, np.array([-0.5], dtype=np.float32))  # a better finished hypothesis
     assert keep.tolist() == [[True, False, False, False]]
 
 
@@ -105,20 +103,21 @@ def test_rank_candidates_two_sources_and_max_cands():
         [0.0, 0.0, 0.1, 0.1, 0.8],
         [0.5, 0.0, 0.1, 0.2, 0.2],
     ]))
-    r = rank_candidates(beams, lp, 2, Pruning(beam_size=2, max_cands=1), ranked=4, eos=EOS, pad=PAD)
+    r = rank_candidates(beams, lp, 2, Pruning(beam_size=2, max_cands=1), ranked=4, pad=PAD)
     # M=1: one child per parent; source 0 -> parent 0 token 4 (-1+log .4), parent 1 token 4 (-2+log .8)
     assert r.token[0, :2].tolist() == [4, 4] and r.parent[0, :2].tolist() == [0, 1]
     assert torch.allclose(r.scores[0, :2], torch.tensor([-1 + math.log(0.4), -2 + math.log(0.8)]))
     assert r.token[1, 0].item() == 0 and r.parent[1, 0].item() == 2
-    assert not r.valid[1, 1:].any()  # one parent with M=1 gives one candidate
+    assert (r.scores[1, 1:] == NEG).all()  # one parent with M=1 gives one candidate
 
 
 def test_rank_carries_finished_rows_unchanged():
     beams = Beams(tokens=torch.full((2, 2), EOS), cum=torch.tensor([[-0.1], [-1.0]]),
                   src=torch.tensor([0, 0]), live=torch.tensor([False, True]))
     lp = torch.log(torch.tensor([[0.1, 0.0, 0.1, 0.4, 0.4]]))
-    r = rank_candidates(beams, lp, 1, Pruning(beam_size=2), ranked=2, eos=EOS, pad=PAD)
-    assert r.carried[0, 0] and r.scores[0, 0].item() == beams.cum[0, 0].item() and r.parent[0, 0].item() == 0
+    r = rank_candidates(beams, lp, 1, Pruning(beam_size=2), ranked=2, pad=PAD)
+    assert r.token[0, 0].item() == PAD and r.parent[0, 0].item() == 0  # carried: token pad
+    assert r.scores[0, 0].item() == beams.cum[0, 0].item()
 
 
 def test_scheduler_refill_and_pick():

@@ -36,7 +36,7 @@ from ..runtime.rows import Rows
 from ..runtime.scheduler import RAGGED, Budget, Scheduler
 from ..scorers.base import ScorerStack
 from ..search.beam_state import Beams, rank_candidates
-from ..search.finalize import Ranked, build_finalize
+from ..search.finalize import Ranked, RankedHost, build_finalize
 from ..search.penalties import FairseqPenalties, length_norm
 from ..spec import DecodeSpec, UsageError
 from .common import Sources, empty_hypothesis, family_spec, hypothesis, sequence_generator_args, to_host
@@ -55,9 +55,9 @@ class LiveRows(NamedTuple):
 
 @dataclass
 class StepHost:
-    """A step's decisions, copied to the host once (the step's one synchronization): which ranked
-    candidates [B, R] are final and which continue, which sources are done, and each source's best
-    lost EOS candidate (improved, rank)."""
+    """A step's decisions, made on the host from the ranked candidates' one copy there (the step's
+    one synchronization): which ranked candidates [B, R] are final and which continue, which
+    sources are done, and each source's best lost EOS candidate (improved, rank)."""
 
     final: np.ndarray  # [B, R] bool
     keep: np.ndarray  # [B, R] bool
@@ -80,12 +80,12 @@ class Steps(Rows):
 
 @dataclass
 class Finish(Rows):
-    """Per source, on the device: hypotheses finished, the best finished score (delta's reference),
+    """Per source, on the host: hypotheses finished, the best finished score (delta's reference),
     and the best EOS candidate neither final nor kept (the backoff of Iglesias et al. Alg. 1)."""
 
-    count: Tensor
-    best: Tensor
-    lost_best: Tensor
+    count: np.ndarray
+    best: np.ndarray
+    lost_best: np.ndarray
 
 
 @dataclass
@@ -95,7 +95,7 @@ class SourceState(Rows):
     (alignment), forced prefix, tokens decoded, and its finish state."""
 
     ids: List[int]
-    max_len: List[int]
+    max_len: np.ndarray
     max_len_t: Tensor
     src_len: np.ndarray
     enc_start: np.ndarray
@@ -104,17 +104,16 @@ class SourceState(Rows):
     finish: Finish
 
     @staticmethod
-    def start(ids: List[int], max_len: List[int], src_len: np.ndarray, device, dtype, ragged: bool,
+    def start(ids: List[int], max_len: List[int], src_len: np.ndarray, device, ragged: bool,
               prefix: Optional[Tensor]) -> SourceState:
         n = len(ids)
         return SourceState(
-            ids=ids, max_len=max_len, max_len_t=torch.tensor(max_len, device=device), src_len=src_len,
-            enc_start=np.zeros(n, dtype=np.int64), prefix=prefix,
+            ids=ids, max_len=np.array(max_len, dtype=np.int64), max_len_t=torch.tensor(max_len, device=device),
+            src_len=src_len, enc_start=np.zeros(n, dtype=np.int64), prefix=prefix,
             steps=Steps(np.zeros(n, dtype=np.int64),
                         torch.zeros(n, dtype=torch.long, device=device) if ragged else None),
-            finish=Finish(torch.zeros(n, dtype=torch.long, device=device),
-                          torch.full((n,), -math.inf, dtype=dtype, device=device),
-                          torch.full((n,), -math.inf, dtype=dtype, device=device)))
+            finish=Finish(np.zeros(n, dtype=np.int64), np.full(n, -np.inf, dtype=np.float32),
+                          np.full(n, -np.inf, dtype=np.float32)))
 
 
 class BeamCohort:
@@ -302,7 +301,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if ragged or self.lean_steps:
             cache.prime(enc)  # the encoder keys are cached: outputs are no longer read
         src_len = np.array([srcs.lengths[i] for i in new])
-        sources = SourceState.start(new, [srcs.max_lens[i] for i in new], src_len, device, dtype, ragged, prefix)
+        sources = SourceState.start(new, [srcs.max_lens[i] for i in new], src_len, device, ragged, prefix)
         cohort = BeamCohort(sources, beams, cache, serial, ragged)
         if srcs.is_whole(new):  # fairseq's own batch: its padded width
             cohort.src_width = srcs.sample_width
@@ -360,7 +359,7 @@ class StreamBeamGenerator(SequenceGenerator):
     def _penalties(self, c: BeamCohort, lprobs: Tensor, live: LiveRows) -> Tensor:
         """fairseq's per-step adjustments for a cohort whose rows are all at step `c.steps`."""
         s, L = c.src, c.steps
-        at_max = s.max_len_t.index_select(0, live.src) <= L if L >= min(s.max_len) else None
+        at_max = s.max_len_t.index_select(0, live.src) <= L if L >= s.max_len.min() else None
         prefix = None
         if s.prefix is not None and L < s.prefix.size(1):
             prefix = s.prefix[:, L].index_select(0, live.src)
@@ -370,27 +369,26 @@ class StreamBeamGenerator(SequenceGenerator):
         return lprobs
 
     def _select(self, c: BeamCohort, lprobs: Tensor) -> Tuple[Ranked, StepHost]:
-        """Rank each source's candidates, apply the finalization rule and delta pruning, and find
-        the sources that are done and the best EOS candidate lost on each (the backoff), on the
-        device; returns the ranked candidates and the decisions' one host copy."""
-        s = c.src
-        ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked,
-                                 self.eos, self.pad, self.rank_like_fairseq)
-        final, keep = self.finalizer.decide(ranked, s.finish.count)
-        # masked_fill with a Python -inf, not torch.where with new_tensor(-inf): a new device tensor
-        # from a host number is a host-to-device copy, which synchronizes on CUDA
-        s.finish.best = torch.maximum(s.finish.best, ranked.scores.masked_fill(~final, -math.inf).max(1).values)
-        keep = self.pruning.threshold_keep(ranked.scores, keep, s.finish.best)
-        s.finish.count = s.finish.count + final.sum(1)
-        at_limit = s.max_len_t <= (s.steps.t if c.ragged else c.steps)
-        done = (s.finish.count >= self.finalizer.target) | ~keep.any(1) | at_limit
-        keep &= ~done.unsqueeze(1)
-        lost = ranked.is_eos & ~final & ~keep
-        lost_best, lost_rank = ranked.scores.masked_fill(~lost, -math.inf).max(1)
-        improved = lost_best > s.finish.lost_best
-        s.finish.lost_best = torch.maximum(s.finish.lost_best, lost_best)
-        return ranked, StepHost(**to_host(final=final, keep=keep, carried=ranked.carried, eos=ranked.is_eos,
-                                          parent=ranked.parent, done=done, improved=improved, lost_rank=lost_rank))
+        """Rank each source's candidates on the device; copy them to the host (the step's one
+        sync), and there apply the finalization rule and delta pruning, and find the sources that
+        are done and the best EOS candidate lost on each (the backoff)."""
+        s, f = c.src, c.src.finish
+        ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked, self.pad,
+                                 self.rank_like_fairseq)
+        r = RankedHost.of(**to_host(scores=ranked.scores, parent=ranked.parent, token=ranked.token),
+                          eos=self.eos, pad=self.pad)
+        final, keep = self.finalizer.decide(r, f.count)
+        f.best = np.maximum(f.best, np.where(final, r.scores, -np.inf).max(1))
+        keep = self.pruning.threshold_keep(r.scores, keep, f.best)
+        f.count = f.count + final.sum(1)
+        done = (f.count >= self.finalizer.target) | ~keep.any(1) | (s.max_len <= (s.steps.h if c.ragged else c.steps))
+        keep &= ~done[:, None]
+        lost = np.where(r.is_eos & ~final & ~keep, r.scores, -np.inf)
+        lost_best, lost_rank = lost.max(1), lost.argmax(1)
+        improved = lost_best > f.lost_best
+        f.lost_best = np.maximum(f.lost_best, lost_best)
+        return ranked, StepHost(final=final, keep=keep, carried=r.carried, eos=r.is_eos, parent=r.parent, done=done,
+                                improved=improved, lost_rank=lost_rank)
 
     def _emit(self, c: BeamCohort, ranked: Ranked, h: StepHost, step_attn: Optional[Tensor],
               results: List[List[Dict[str, Tensor]]]) -> None:
@@ -493,7 +491,7 @@ class StreamBeamGenerator(SequenceGenerator):
         s = c.src
         steps = s.steps.t.index_select(0, row_src)  # type: ignore[union-attr]
         at_max = None
-        if bool((s.steps.h >= np.asarray(s.max_len)).any()):
+        if (s.steps.h >= s.max_len).any():
             at_max = s.max_len_t.index_select(0, row_src) <= steps
         short = int(s.steps.h.min()) < self.min_len
         lprobs = self.penalties(lprobs, max(int(s.steps.h.min()), self.min_len), at_max, None, tokens_in)

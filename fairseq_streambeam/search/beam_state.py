@@ -52,8 +52,8 @@ class Beams(Rows):
         return self.cum[:, -1]
 
 
-def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: Pruning, ranked: int, eos: int,
-                    pad: int, like_fairseq: bool = False) -> Ranked:
+def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: Pruning, ranked: int, pad: int,
+                    like_fairseq: bool = False) -> Ranked:
     """Rank each source's candidates: children of live rows (at most M per parent) and, for
     finished rows, the row itself carried over unchanged (token `pad`).
 
@@ -84,7 +84,7 @@ def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: 
     if like_fairseq and all_live and per in (1, k) and per * n_sources == n and c >= r and r < per * vocab:
         scores, idx = child.reshape(n_sources, per * vocab).topk(r, dim=1)
         parent = torch.arange(n_sources, device=device).unsqueeze(1) * per + idx // vocab
-        return _ranked(scores, parent, idx % vocab, eos, pad)
+        return Ranked(scores, parent, idx % vocab)
     top_s, top_t = child.topk(c, dim=1)
     if all_live:
         child_s, child_t = top_s, top_t
@@ -106,11 +106,4 @@ def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: 
     grid[flat.view(-1)] = child_s.reshape(-1)
     scores, idx = grid.view(n_sources, k * c).topk(r, dim=1)
     parent = (starts.unsqueeze(1) + idx // c).clamp_(max=max(n - 1, 0))
-    return _ranked(scores, parent, child_t.view(-1)[(parent * c + idx % c).view(-1)].view(n_sources, r), eos, pad)
-
-
-def _ranked(scores: Tensor, parent: Tensor, token: Tensor, eos: int, pad: int) -> Ranked:
-    """Ranked candidates from their scores, parents and tokens (-inf: invalid; `pad`: carried)."""
-    valid = scores > -math.inf
-    return Ranked(scores=scores, parent=parent, token=token, valid=valid, is_eos=valid & (token == eos),
-                  carried=valid & (token == pad))
+    return Ranked(scores, parent, child_t.view(-1)[(parent * c + idx % c).view(-1)].view(n_sources, r))

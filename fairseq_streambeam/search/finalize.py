@@ -1,7 +1,9 @@
 """Finalization rules: which ranked candidates become finished hypotheses, which stay on the beam.
 
-Both work on candidates already ranked per source (best first) and return masks; they hold no
-state. Scores are raw cumulative log-probs; the length penalty only normalizes reported scores.
+Both work on candidates already ranked per source (best first), copied to the host (numpy: a
+step's few decisions cost less there than as device operators, each a kernel launch on a GPU), and
+return masks; they hold no state. Scores are raw cumulative log-probs; the length penalty only
+normalizes reported scores.
 """
 
 from __future__ import annotations
@@ -9,20 +11,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
+import numpy as np
 from torch import Tensor
 
 
 @dataclass
 class Ranked:
-    """Candidates of one step, ranked per source: [B, R] tensors, best first."""
+    """Candidates of one step, ranked per source: [B, R] tensors on the device, best first."""
 
     scores: Tensor  # cumulative log-prob, -inf where invalid
     parent: Tensor  # row of the parent candidate in the cohort
     token: Tensor  # chosen token; `pad` marks a finished candidate carried over unchanged
-    valid: Tensor  # bool
-    is_eos: Tensor  # bool: the token is EOS (a newly finished candidate)
-    carried: Tensor  # bool: a finished candidate carried over (sticky rule only)
+
+
+@dataclass
+class RankedHost:
+    """The ranked candidates on the host [B, R]: scores, parents, and what their tokens say."""
+
+    scores: np.ndarray
+    parent: np.ndarray
+    valid: np.ndarray  # bool: a candidate (score above -inf)
+    is_eos: np.ndarray  # bool: the token is EOS (a newly finished candidate)
+    carried: np.ndarray  # bool: a finished candidate carried over (sticky rule only)
+
+    @staticmethod
+    def of(scores: np.ndarray, parent: np.ndarray, token: np.ndarray, eos: int, pad: int) -> RankedHost:
+        valid = scores > -np.inf
+        return RankedHost(scores, parent, valid, valid & (token == eos), valid & (token == pad))
 
 
 class FairseqFinalize:
@@ -35,13 +50,12 @@ class FairseqFinalize:
         self.target = beam_size  # finished hypotheses that end a source
         self.ranked = 2 * beam_size  # candidates ranked per source
 
-    def decide(self, r: Ranked, n_final: Tensor) -> tuple[Tensor, Tensor]:
+    def decide(self, r: RankedHost, n_final: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         k = self.k
-        rank = torch.arange(r.scores.size(1), device=r.scores.device)
-        eos = r.is_eos & r.valid & (rank < k)
-        final = eos & ((n_final.unsqueeze(1) + eos.long().cumsum(1)) <= k)
+        eos = r.is_eos & (np.arange(r.scores.shape[1]) < k)
+        final = eos & ((n_final[:, None] + eos.cumsum(1)) <= k)
         cont = r.valid & ~r.is_eos
-        keep = cont & (cont.long().cumsum(1) <= k)
+        keep = cont & (cont.cumsum(1) <= k)
         return final, keep
 
 
@@ -56,12 +70,11 @@ class StickyFinalize:
         self.target = finished_per_source("sticky", beam_size, finish_count)
         self.ranked = beam_size
 
-    def decide(self, r: Ranked, n_final: Tensor) -> tuple[Tensor, Tensor]:
-        rank = torch.arange(r.scores.size(1), device=r.scores.device)
-        within = r.valid & (rank.unsqueeze(0) < (self.k - n_final).unsqueeze(1))
+    def decide(self, r: RankedHost, n_final: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        within = r.valid & (np.arange(r.scores.shape[1])[None, :] < (self.k - n_final)[:, None])
         ended = (r.is_eos | r.carried) & within
-        lead = ended.long().cumprod(1).bool()
-        final = lead & ((n_final.unsqueeze(1) + lead.long().cumsum(1)) <= self.target)
+        lead = ended.cumprod(1).astype(bool)
+        final = lead & ((n_final[:, None] + lead.cumsum(1)) <= self.target)
         keep = within & ~final
         return final, keep
 

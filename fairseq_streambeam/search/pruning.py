@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -29,10 +28,9 @@ class Pruning:
         c = min(ranked, vocab - 1)
         return min(c, self.max_cands) if self.max_cands > 0 else c
 
-    def threshold_keep(self, scores: Tensor, valid: Tensor, best_final: Tensor) -> Tensor:
-        """Mask of candidates within delta of the best of (top candidate, best finished)."""
+    def threshold_keep(self, scores: np.ndarray, valid: np.ndarray, best_final: np.ndarray) -> np.ndarray:
+        """Mask of candidates [B, R] within delta of the best of (top candidate, best finished), on the host."""
         if math.isinf(self.delta):
             return valid
-        top = scores.masked_fill(~valid, -math.inf).max(dim=1).values  # no host-to-device copy of -inf
-        ref = torch.maximum(top, best_final)
-        return valid & (scores > (ref - self.delta).unsqueeze(1))
+        ref = np.maximum(np.where(valid, scores, -np.inf).max(1), best_final)
+        return valid & (scores > (ref - self.delta)[:, None])
