@@ -61,6 +61,23 @@ def test_beam_decodings_compiled_equal_eager(compile_model, decoding, order):
     assert more <= 2  # structures the first sources did not meet (e.g. a single row)
 
 
+def test_caches_crossing_the_small_cache_size_add_no_graph(compile_model, monkeypatch):
+    """The eager append's size test (lean_layer.FUSED_APPEND_MIN) is not made while compiling: a
+    symbolic size test would guard the graph, and caches growing past it would compile again."""
+    from fairseq_streambeam.runtime import lean_layer
+
+    sample = make_sample(D, random_sentences(D, 11, 45, min_len=6, max_len=14))
+    kw = dict(beam_size=4, decoding="beam", max_len_b=14, min_len=8, compile=True)
+    graphs = []
+    for threshold in (1 << 40, 4000):  # never crossed; crossed after a few steps (44 rows, 32 values a slot)
+        monkeypatch.setattr(lean_layer, "FUSED_APPEND_MIN", threshold)
+        torch._dynamo.reset()
+        before = compiled_graphs()
+        StreamBeamGenerator([compile_model], D, **kw).generate([compile_model], sample)
+        graphs.append(compiled_graphs() - before)
+    assert graphs[0] == graphs[1] >= 1
+
+
 def test_iad_compiled_equals_greedy(compile_model):
     model = compile_model
     kw = dict(max_len_b=12, min_len=2)

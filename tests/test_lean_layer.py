@@ -25,6 +25,7 @@ from fairseq_streambeam.runtime.lean_layer import (
     SourceGroups,
     TransposedLinears,
     lean_supported,
+    plain_linear,
     plain_projection,
 )
 
@@ -121,6 +122,23 @@ def test_packed_real_slots_equal_the_padded_block(lean, monkeypatch):
             if a.size(2) == mask.size(1):  # masked slots (padding) are never read: packing leaves them zero
                 a, b = a.masked_fill(mask.bool()[:, None, :, None], 0), b.masked_fill(mask.bool()[:, None, :, None], 0)
             assert torch.allclose(a, b, atol=1e-10), (key, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_plain_linear_is_f_linear_bit_for_bit(dtype):
+    """plain_linear is F.linear's own product on every input layout the layers and the output
+    projection meet (2-D rows, contiguous blocks, a non-lean decoder's transposed blocks), with and
+    without bias: fixed beams keep fairseq's bits."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(5, 7).to(dtype)
+    inputs = [torch.randn(4, 5, dtype=dtype), torch.randn(3, 4, 5, dtype=dtype),
+              torch.randn(4, 3, 5, dtype=dtype).transpose(0, 1), torch.randn(5, 4, dtype=dtype).t(),
+              torch.randn(2, 3, 4, 5, dtype=dtype)]
+    with torch.no_grad():
+        for bias in (layer.bias, None):
+            layer.bias = bias
+            for x in inputs:
+                assert torch.equal(plain_linear(plain_projection(layer), x), layer(x)), (x.shape, x.stride(), bias)
 
 
 def test_transposed_weights_are_copied_per_call_and_serve_only_inexact_decodings():

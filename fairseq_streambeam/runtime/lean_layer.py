@@ -6,9 +6,10 @@ converted to float and concatenated again, head-averaged cross-attention weights
 `need_attn`): a large share of a pass for the small blocks of aggressive decoding at small batch
 sizes (docs/benchmarks.md). `lean_layers` computes the same inference math from the layer's own
 modules, batch-major, in fairseq's cache layout (so every KVCache method works on either
-path), with the attention masks built once per block, and F.linear / F.layer_norm on the modules'
-weights (`linear`, `norm`: Module.__call__ costs microseconds, tens of calls per pass). Layers with
-an option it does not implement (`lean_supported`) keep fairseq's own forward.
+path), with the attention masks built once per block, and the products F.linear runs and
+F.layer_norm on the modules' weights (`plain_linear` over `plain_layer`'s attributes, `linear`
+over modules, `norm`: Module.__call__ costs microseconds, tens of calls per pass). Layers with an
+option it does not implement (`lean_supported`) keep fairseq's own forward.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ def plain_linear(module: SimpleNamespace, x: Tensor) -> Tensor:
 
 
 def _product(x: Tensor, wt: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """x @ wt (+ bias) over the last dimension of `x`, as one 2-D product."""
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.size(-1))
-    y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], wt.size(1))
+    """x @ wt (+ bias) over the last dimension of `x`, as F.linear(x, wt.t(), bias) computes it: the
+    one 2-D addmm (mm) it runs for 2-D and contiguous 3-D input; F.linear itself for other input."""
+    if x.dim() == 2:
+        return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    if x.dim() != 3 or not x.is_contiguous():
+        return F.linear(x, wt.t(), bias)
+    y = _product(x.view(-1, x.size(2)), wt, bias)
+    return y.view(x.size(0), x.size(1), wt.size(1))
 
 
 def plain_projection(m: nn.Linear) -> SimpleNamespace:
@@ -134,8 +139,9 @@ def plain_layer(layer) -> SimpleNamespace:
     """What `LayerMath` reads of a `lean_supported` decoder layer, as plain attributes. nn.Module
     finds submodules and parameters in `__getattr__`: about 150 lookups a step, more host time than
     a small step's math (docs/benchmarks.md, "What the engine's parts save"). It holds the layer's
-    own parameter objects, so weights changed in place show at once; take it afresh for each
-    generate call (BlockDecoder.start_call), as a module may be given a new parameter between calls."""
+    own parameter objects and views of their data (`plain_projection`): take it afresh for each
+    generate call (BlockDecoder.start_call), as a module may be given a new parameter, or new data
+    (model.half(), .to(device)), between calls."""
     def ln(m):
         return None if m is None else SimpleNamespace(normalized_shape=m.normalized_shape, weight=m.weight,
                                                       bias=m.bias, eps=m.eps)
@@ -406,8 +412,8 @@ def _append(prev: Tensor, new: Tensor, rows: Optional[Tensor]) -> Tensor:
     (CPU crossover about 100K elements; docs/benchmarks.md, "Host work per step")."""
     if rows is None:
         return torch.cat([prev, new], dim=2)
-    # inductor fuses the pair itself; out= has no grad
-    if prev.numel() < FUSED_APPEND_MIN or torch.compiler.is_compiling() or torch.is_grad_enabled():
+    # inductor fuses the pair itself (and a size test would guard its graph); out= has no grad
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or prev.numel() < FUSED_APPEND_MIN:
         return torch.cat([prev.index_select(0, rows), new], dim=2)
     length = prev.size(2)
     out = new.new_empty(new.size(0), new.size(1), length + new.size(2), new.size(3))
