@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from fairseq_streambeam import Budget
-from fairseq_streambeam.drafters.input_copy import CopyState, InputCopyDrafter
+from fairseq_streambeam.drafters.input_copy import DELETION_WINDOW, CopyState, InputCopyDrafter
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime.kv_cache import KVCache
 
@@ -138,6 +138,24 @@ def test_batched_rows_draft_from_a_guessed_edit():
     dr.draft(st, batched=True)
     dr.update(st, [5, 7])  # 6 deleted: resume after 7
     assert dr.draft(st, batched=True) == [8, 9, 10]
+
+
+def test_rows_draft_from_a_guessed_deletion():
+    """A model token that occurs just ahead in the source deleted the tokens before it: every row,
+    a lone one too, drafts from after it; one further ahead than the window is no deletion's."""
+    dr = InputCopyDrafter(ngram=2)
+    src = [5, 6, 7, 8, 9, 10, 2]
+    st = dr.start(src)
+    dr.draft(st)
+    dr.update(st, [5, 8])  # 6 and 7 deleted: resume after 8
+    assert st.pos is None and dr.draft(st) == [9, 10, 2] and dr.draft(st, batched=True) == [9, 10, 2]
+    dr.update(st, [9, 11])  # the guess held for a token, then 11 replaced 10: a lone row waits
+    assert dr.draft(st) == [] and dr.draft(st, batched=True) == [2]
+    far = [5] + list(range(20, 21 + DELETION_WINDOW)) + [8, 9, 2]
+    st = dr.start(far)
+    dr.draft(st)
+    dr.update(st, [5, 8])  # 8 lies past the window: a replacement's guess, which a lone row does not draft
+    assert dr.draft(st) == [] and dr.draft(st, batched=True)[:2] == [21, 22]
 
 
 def test_empty_source_and_refused_inputs():

@@ -1,6 +1,8 @@
 """IAD drafter (Ge et al. 2022): the draft is the source's continuation from where the output is
 aligned with it. After a bifurcation the alignment is lost; it is found again once the output's
-last `ngram` tokens occur exactly once in the source (a unique-substring match)."""
+last `ngram` tokens occur exactly once in the source (a unique-substring match). Meanwhile a row
+drafts from a guessed edit: where the source resumes if the model's token deleted source tokens
+(it occurs just ahead in the source), or, for batched rows only, replaced one."""
 
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ class CopyState:
     last: Optional[List[int]] = None  # the draft of the pass being verified
     tail: List[int] = field(default_factory=list)  # the output's last `ngram` tokens (realignment)
     guess: Optional[int] = None  # unaligned: where the source probably continues after the last edit
+    skipped: bool = False  # the guess is a deletion's (the model's token occurs ahead in the source)
     from_guess: bool = False  # the draft being verified was copied from `guess`
 
 
 AUTO_BATCHED_BLOCK = 8  # batched rows pay for the widest draft: a cap (docs/benchmarks.md); a lone row is uncapped
+DELETION_WINDOW = 16  # how far ahead of an edit the model's token is looked for (a deletion's guess)
 
 
 class InputCopyDrafter(RowListDrafter):
@@ -62,10 +66,11 @@ class InputCopyDrafter(RowListDrafter):
 
     def draft(self, st: CopyState, batched: bool = False, cap: Optional[int] = None) -> List[int]:
         """The source from the aligned position, at most `cap` tokens (the draft `update` checks). An
-        unaligned row in a batch drafts from its guess: its slots are paid for anyway (the block is as
-        wide as the widest draft); a lone row drafts nothing until an n-gram realigns it."""
+        unaligned row drafts from its guess: a row in a batch from any guess, as its slots are paid
+        for anyway (the block is as wide as the widest draft); a lone row from a deletion's only, as a
+        pass costs it far more than a slot (reading the weights) and a replacement's rarely holds."""
         pos, st.from_guess = st.pos, False
-        if pos is None and batched and st.guess is not None:
+        if pos is None and st.guess is not None and (batched or st.skipped):
             pos, st.from_guess = st.guess, True
         if pos is None:
             st.last = []
@@ -86,13 +91,16 @@ class InputCopyDrafter(RowListDrafter):
                 st.pos, st.guess = nxt + 1, None
                 return
         st.pos = self._realign(st.src, st.tail)
-        # where the source probably resumes: the model's token replaced source token b (or deleted
-        # it, if it equals the next one); a guess that failed at once is not guessed again
-        st.guess = None
+        # where the source probably resumes: the model's token deleted source tokens b.. up to its
+        # next occurrence, or else replaced source token b; a guess that failed at once is not
+        # guessed again
+        st.guess, st.skipped = None, False
         if st.pos is None and start is not None and not (st.from_guess and matched == 0):
             b = start + matched
-            if b + 1 < len(st.src) and last == st.src[b + 1]:
-                st.guess = b + 2 if b + 2 < len(st.src) else None
+            ahead = st.src[b + 1:b + 1 + DELETION_WINDOW]
+            if last in ahead:
+                hit = b + 2 + ahead.index(last)
+                st.guess, st.skipped = (hit, True) if hit < len(st.src) else (None, False)
             elif b + 1 < len(st.src):
                 st.guess = b + 1
 
