@@ -123,8 +123,8 @@ def test_drafter_realigns_on_a_unique_ngram():
 
 def test_batched_rows_draft_from_a_guessed_edit():
     """After a bifurcation a batched row drafts from where a substitution (or deletion) would
-    resume; a lone row drafts nothing (it would pay for the slots); a guess that fails at once is
-    not repeated."""
+    resume; a lone row does not draft a substitution's guess; a guess that fails at once is not
+    repeated."""
     dr = InputCopyDrafter(ngram=2, block_size=3)
     st = dr.start([5, 6, 7, 8, 9, 10, 2])
     dr.draft(st, batched=True)
@@ -151,8 +151,12 @@ def test_rows_draft_from_a_guessed_deletion():
     assert st.pos is None and dr.draft(st) == [9, 10, 2] and dr.draft(st, batched=True) == [9, 10, 2]
     dr.update(st, [9, 11])  # the guess held for a token, then 11 replaced 10: a lone row waits
     assert dr.draft(st) == [] and dr.draft(st, batched=True) == [2]
-    far = [5] + list(range(20, 21 + DELETION_WINDOW)) + [8, 9, 2]
-    st = dr.start(far)
+    edge = [5] + list(range(20, 20 + DELETION_WINDOW)) + [8, 9, 2]
+    st = dr.start(edge)
+    dr.draft(st)
+    dr.update(st, [5, 8])  # 8 is the window's last token ahead of the edit: a deletion
+    assert dr.draft(st) == [9, 2]
+    st = dr.start([5] + list(range(20, 21 + DELETION_WINDOW)) + [8, 9, 2])
     dr.draft(st)
     dr.update(st, [5, 8])  # 8 lies past the window: a replacement's guess, which a lone row does not draft
     assert dr.draft(st) == [] and dr.draft(st, batched=True)[:2] == [21, 22]
