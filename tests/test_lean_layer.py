@@ -21,20 +21,20 @@ from fairseq_streambeam.runtime import block_step
 from fairseq_streambeam.runtime.block_step import BlockDecoder
 from fairseq_streambeam.runtime.kv_cache import KVCache, cat_states, stand_in, without_padding_mask
 from fairseq_streambeam.runtime.lean_layer import (
+    RepackedLinears,
     Slots,
     SourceGroups,
-    TransposedLinears,
     lean_supported,
     plain_linear,
     plain_projection,
 )
 
 
-def forward_block(decoder, *args, transposed: bool = False, **kwargs):
-    """One uncached block decoder call (nothing reused between calls); `transposed`: as in a
+def forward_block(decoder, *args, repacked: bool = False, **kwargs):
+    """One uncached block decoder call (nothing reused between calls); `repacked`: as in a
     generate call over many sources."""
-    block = BlockDecoder(decoder, transposed=transposed)
-    block.start_call(TransposedLinears.MIN_SOURCES)
+    block = BlockDecoder(decoder, repacked=repacked)
+    block.start_call(RepackedLinears.MIN_SOURCES)
     return block(*args, **kwargs)
 
 
@@ -45,10 +45,10 @@ def supports_lean(layer) -> bool:
 D = make_dict(30)
 
 
-def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False, transposed: bool = False):
+def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False, repacked: bool = False):
     """Logits of three cached blocks (the last with a bidirectional tail) and the final cache;
     `packed`: computing only the real slots (logits [T, V], listed with the padding mask);
-    `transposed`: through transposed weights (which inference mode, no_grad, takes)."""
+    `repacked`: through repacked weights (which inference mode, no_grad, takes)."""
     monkeypatch.setattr(block_step, "lean_supported", lean_supported if lean else (lambda layer: False))
     dec = model.decoder
     enc = model.encoder.forward_torchscript(sample["net_input"])
@@ -65,9 +65,9 @@ def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False, transp
         steps = length.unsqueeze(1) + torch.arange(m)
         e = enc if i == 0 else stand_in(model, n, tokens.device)[0]
         slots = Slots.real(pad) if packed else None
-        with torch.set_grad_enabled(not transposed):
+        with torch.set_grad_enabled(not repacked):
             outs.append((forward_block(dec, tokens, steps, e, state, pad, tail=tail, slots=slots,
-                                       transposed=transposed), pad))
+                                       repacked=repacked), pad))
         if i == 0:  # roll back the last two slots of row 1, as a rejected draft
             masked = torch.zeros(n, m, dtype=torch.bool)
             masked[1, m - 2:] = True
@@ -81,14 +81,14 @@ def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False, transp
     return outs, state
 
 
-@pytest.mark.parametrize("options,transposed", [({}, False), ({"decoder_normalize_before": True}, False),
+@pytest.mark.parametrize("options,repacked", [({}, False), ({"decoder_normalize_before": True}, False),
                                                 ({}, True)])
-def test_lean_blocks_equal_fairseq_layers(options, transposed, monkeypatch):
+def test_lean_blocks_equal_fairseq_layers(options, repacked, monkeypatch):
     model = random_transformer(D, 7, **options).double()
     assert all(supports_lean(layer) for layer in model.decoder.layers)
     sample = make_sample(D, random_sentences(D, 4, 8, min_len=3, max_len=9))
     ref, ref_state = _blocks(model, sample, False, monkeypatch)
-    got, got_state = _blocks(model, sample, True, monkeypatch, transposed=transposed)
+    got, got_state = _blocks(model, sample, True, monkeypatch, repacked=repacked)
     for (a, _), (b, _) in zip(ref, got):
         real = torch.isfinite(a)
         assert torch.equal(real, torch.isfinite(b))
@@ -141,32 +141,58 @@ def test_plain_linear_is_f_linear_bit_for_bit(dtype):
                 assert torch.equal(plain_linear(plain_projection(layer), x), layer(x)), (x.shape, x.stride(), bias)
 
 
-def test_transposed_weights_are_copied_per_call_and_serve_only_inexact_decodings():
-    """TransposedLinears computes `linear` (float64); its copies are made again in each generate call
-    (a write to `.data` or a dtype change between calls is seen), only in calls over many sources;
-    variable-width beams and aggressive decoding use it, fixed beams (fairseq's bits) do not."""
-    lin, layer = TransposedLinears(), torch.nn.Linear(6, 5).double()
+def test_repacked_weights_are_copied_per_call_and_serve_only_inexact_decodings():
+    """RepackedLinears computes `linear` (float64: transposed copies); its copies are made again in
+    each generate call (a write to `.data` or a dtype change between calls is seen), only in calls
+    over many sources; variable-width beams and aggressive decoding use it, fixed beams (fairseq's
+    bits) do not."""
+    lin, layer = RepackedLinears(), torch.nn.Linear(6, 5).double()
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     with torch.no_grad():  # generators take the plain projections afresh in each call, as here
-        lin.refresh(TransposedLinears.MIN_SOURCES)
+        lin.refresh(RepackedLinears.MIN_SOURCES)
         assert torch.allclose(lin(plain_projection(layer), x), layer(x), atol=1e-12) and lin._copies
         layer.weight.data.add_(1.0)  # as fairseq's optimizers write
-        lin.refresh(TransposedLinears.MIN_SOURCES)
+        lin.refresh(RepackedLinears.MIN_SOURCES)
         assert torch.allclose(lin(plain_projection(layer), x), layer(x), atol=1e-12)
         layer.float()
-        lin.refresh(TransposedLinears.MIN_SOURCES)
+        lin.refresh(RepackedLinears.MIN_SOURCES)
         assert torch.allclose(lin(plain_projection(layer), x.float()), layer(x.float()), atol=1e-5)
         lin.refresh(1)
         assert torch.equal(lin(plain_projection(layer), x.float()), layer(x.float()))  # plain_linear: F.linear's bits
         assert not lin._copies
     model = random_transformer(D, 3).double()
-    for decoding, transposed in (("beam", False), ("fixed-stream", False), ("var-stream", True)):
+    for decoding, repacked in (("beam", False), ("fixed-stream", False), ("var-stream", True)):
         gen = StreamBeamGenerator([model], D, beam_size=3, decoding=decoding)
-        assert isinstance(gen.blocks[0].project, TransposedLinears) == transposed, decoding
+        assert isinstance(gen.blocks[0].project, RepackedLinears) == repacked, decoding
     gen = AggressiveGenerator([model], D)
-    for n, copied in ((2, False), (TransposedLinears.MIN_SOURCES, True)):
+    for n, copied in ((2, False), (RepackedLinears.MIN_SOURCES, True)):
         gen.generate([model], make_sample(D, random_sentences(D, n, 5, min_len=2, max_len=6)))
-        assert bool(gen.blocks[0].transposed._copies) == copied, n
+        assert bool(gen.blocks[0].repacked._copies) == copied, n
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("shape", [(256, 8008), (256, 256), (1024, 256), (7, 5)])
+def test_onednn_copies_give_each_row_the_same_product_whatever_the_other_rows(shape):
+    """float32 copies are in oneDNN's layout: `linear` to rounding, and a row's product is the same
+    bits in any batch of rows (what var-stream equal to var-batch rests on), including a block's
+    non-contiguous 3-D input; a write to `.data` is seen after `refresh`."""
+    g = torch.Generator().manual_seed(0)
+    lin, layer = RepackedLinears(), torch.nn.Linear(*shape)
+    x = torch.randn(300, shape[0], generator=g)
+    with torch.no_grad():
+        lin.refresh(RepackedLinears.MIN_SOURCES)
+        proj = plain_projection(layer)
+        ref = lin(proj, x)
+        assert lin._copies[id(proj)][2]  # the oneDNN copy, not the transposed one
+        assert torch.allclose(ref, layer(x), rtol=1e-4, atol=1e-4 * shape[0] ** 0.5)
+        for m in (1, 2, 5, 8, 17, 33, 100, 299):
+            rows = torch.randperm(300, generator=g)[:m]
+            assert torch.equal(lin(proj, x[rows]), ref[rows]), m
+        block = x[:60].view(6, 10, shape[0]).transpose(0, 1)  # [10, 6, in], not contiguous
+        assert torch.equal(lin(proj, block), ref[:60].view(6, 10, -1).transpose(0, 1))
+        layer.weight.data.mul_(2.0)
+        lin.refresh(RepackedLinears.MIN_SOURCES)
+        assert torch.allclose(lin(plain_projection(layer), x), layer(x), rtol=1e-4, atol=1e-4 * shape[0] ** 0.5)
 
 
 @pytest.mark.parametrize("decoding", ["beam", "var-stream", "iad"])

@@ -113,7 +113,7 @@ class AggressiveGenerator(SequenceGenerator):
         super().__init__(models, tgt_dict, **sequence_generator_args(spec, tgt_dict))
         for m in self.model.models:
             check_block_decoder(m.decoder)
-        self.blocks = [BlockDecoder(m.decoder, spec.compile, transposed=True) for m in self.model.models]
+        self.blocks = [BlockDecoder(m.decoder, spec.compile, repacked=True) for m in self.model.models]
         check_vocabulary(self.model, tgt_dict)
         self.spec = spec
         if drafter is None and spec.decoding == "gad":  # the task builds the one --drafter/--draft-lookup name

@@ -197,8 +197,8 @@ class StreamBeamGenerator(SequenceGenerator):
         # rows at different steps, and every step where the lean layers apply, go through the block
         # step. Half precision keeps fairseq's decoder step: products in other shapes round
         # differently, which moves float16 scores (float32 ones only in their last bits)
-        # variable-width beams multiply by transposed weights (fixed beams equal fairseq's bit for bit)
-        blocks = ([BlockDecoder(m.decoder, spec.compile, transposed=not self.pruning.is_fixed)
+        # variable-width beams multiply by repacked weights (fixed beams equal fairseq's bit for bit)
+        blocks = ([BlockDecoder(m.decoder, spec.compile, repacked=not self.pruning.is_fixed)
                    for m in self.model.models] if block_steps(self.model) else [])
         self._steps = (blocks, policy in RAGGED, bool(blocks) and all(b.lean for b in blocks)
                        and spec.print_alignment is None)

@@ -20,9 +20,9 @@ from .compiled import CompiledLayerMath
 from .kv_cache import IncState, cached_length
 from .lean_layer import (
     LayerMath,
+    RepackedLinears,
     Slots,
     SourceGroups,
-    TransposedLinears,
     lean_layers,
     lean_supported,
     plain_layer,
@@ -73,17 +73,17 @@ class BlockDecoder:
     """A block of tokens per row through one fairseq transformer decoder. It keeps the positional
     embeddings of target positions 0..n-1 (grown by doubling up to max_positions; recomputed after
     a learned table's weight changes), and whether its layers take the lean path (runtime.lean_layer)
-    and, with `compile`, run compiled (runtime.compiled). `transposed`: the lean layers and the
-    output projection multiply by transposed copies of the weights on the CPU in generate calls
-    over many sources (TransposedLinears; not with `compile`)."""
+    and, with `compile`, run compiled (runtime.compiled). `repacked`: the lean layers and the
+    output projection multiply by copies of the weights in the CPU's fastest layout in generate
+    calls over many sources (RepackedLinears; not with `compile`)."""
 
-    def __init__(self, decoder, compile: bool = False, transposed: bool = False):
+    def __init__(self, decoder, compile: bool = False, repacked: bool = False):
         from fairseq.models.transformer import TransformerDecoderBase
 
         self.decoder = decoder
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
-        lin = TransposedLinears() if transposed and not compile and self.lean else None
-        self.transposed = lin
+        lin = RepackedLinears() if repacked and not compile and self.lean else None
+        self.repacked = lin
         self.compiled = CompiledLayerMath(decoder.layers) if compile and self.lean else None
         self.call_math: Optional[LayerMath] = None  # the eager lean math of this generate call (start_call)
         # the output projection through `lin` (plain_linear without it), where fairseq's output_layer
@@ -96,13 +96,13 @@ class BlockDecoder:
         self._version: Optional[tuple] = None
 
     def start_call(self, n_sources: int) -> None:
-        """A generate call over `n_sources` sources begins: TransposedLinears.refresh, and the eager
+        """A generate call over `n_sources` sources begins: RepackedLinears.refresh, and the eager
         lean math over the layers' plain attributes (lean_layer.plain_layer), taken afresh."""
-        if self.transposed is not None:
-            self.transposed.refresh(n_sources)
+        if self.repacked is not None:
+            self.repacked.refresh(n_sources)
         if self.lean and self.compiled is None:
             self.call_math = LayerMath([plain_layer(layer) for layer in self.decoder.layers],
-                                       self.transposed or plain_linear)
+                                       self.repacked or plain_linear)
         if self.plain_output:
             self.call_projection = plain_projection(self.decoder.output_projection)
 

@@ -73,11 +73,13 @@ def plain_projection(m: nn.Linear) -> SimpleNamespace:
     return SimpleNamespace(weight=m.weight, bias=m.bias, weight_t=m.weight.t())
 
 
-class TransposedLinears:
-    """`plain_linear` with each weight also kept transposed ([in, out], contiguous): on the CPU, MKL
-    multiplies the few rows of a decoder step by a weight in this layout faster than by fairseq's
-    [out, in] (docs/benchmarks.md, "What the engine's parts save"). The products round differently
-    from fairseq's, so fixed beams, which equal fairseq's output bit for bit, keep `plain_linear`.
+class RepackedLinears:
+    """`plain_linear` over copies of the weights in the layout this CPU multiplies fastest: oneDNN's
+    packed layout for float32 (the product inductor's CPU freezing emits), else the weight
+    transposed ([in, out], contiguous, for MKL); faster than fairseq's products for a step's rows
+    (docs/benchmarks.md, "What the engine's parts save"). oneDNN gives a row the same bits whatever
+    the other rows (tests/test_lean_layer.py). The products round differently from fairseq's, so
+    fixed beams, which equal fairseq's output bit for bit, keep `plain_linear`.
 
     The copies are dropped by `refresh`, which generators call at the start of each generate call:
     weights may change between calls in ways a tensor does not record (fairseq's optimizers write
@@ -89,6 +91,8 @@ class TransposedLinears:
     def __init__(self):
         self._copies: Dict[int, tuple] = {}
         self.active = False
+        # float32 copies in oneDNN's layout where this torch build has its linear (else transposed)
+        self.onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
     def refresh(self, n_sources: int) -> None:
         """Forget the copies; the next call decodes `n_sources` sources."""
@@ -101,7 +105,11 @@ class TransposedLinears:
             return plain_linear(module, x)
         copy = self._copies.get(id(module))
         if copy is None or copy[0] is not w:
-            copy = self._copies[id(module)] = (w, w.detach().t().contiguous())
+            onednn = w.dtype == torch.float32 and self.onednn
+            w_copy = torch.ops.mkldnn._reorder_linear_weight(w.detach()) if onednn else w.detach().t().contiguous()
+            copy = self._copies[id(module)] = (w, w_copy, onednn)
+        if copy[2]:
+            return torch.ops.mkldnn._linear_pointwise(x, copy[1], module.bias, "none", [], "")
         return _product(x, copy[1], module.bias)
 
 
@@ -293,7 +301,7 @@ class LayerMath:
 
     def __init__(self, layers, lin=linear):
         self.layers = layers
-        self.lin = lin  # `linear` (modules), `plain_linear` (plain_layer's), or a TransposedLinears
+        self.lin = lin  # `linear` (modules), `plain_linear` (plain_layer's), or a RepackedLinears
 
     def __call__(self, x: Tensor, prev_k: List[Optional[Tensor]], prev_v: List[Optional[Tensor]],
                  key_mask: Optional[Tensor], attn_mask: Optional[Tensor], attends: bool,
