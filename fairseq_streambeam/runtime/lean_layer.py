@@ -74,7 +74,7 @@ def plain_projection(m: nn.Linear) -> SimpleNamespace:
 
 
 class RepackedLinears:
-    """`plain_linear` over copies of the weights in the layout this CPU multiplies fastest: oneDNN's
+    """`plain_linear` over copies of the weights in the layout a CPU multiplies fastest: oneDNN's
     packed layout for float32 (the product inductor's CPU freezing emits), else the weight
     transposed ([in, out], contiguous, for MKL); faster than fairseq's products for a step's rows
     (docs/benchmarks.md, "What the engine's parts save"). oneDNN gives a row the same bits whatever
