@@ -75,11 +75,10 @@ def plain_projection(m: nn.Linear) -> SimpleNamespace:
 
 class RepackedLinears:
     """`plain_linear` over copies of the weights in the layout a CPU multiplies fastest: oneDNN's
-    packed layout for float32 (the product inductor's CPU freezing emits), else the weight
-    transposed ([in, out], contiguous, for MKL); faster than fairseq's products for a step's rows
-    (docs/benchmarks.md, "What the engine's parts save"). oneDNN gives a row the same bits whatever
-    the other rows (tests/test_lean_layer.py). The products round differently from fairseq's, so
-    fixed beams, which equal fairseq's output bit for bit, keep `plain_linear`.
+    packed layout for float32, else the weight transposed ([in, out], contiguous, for MKL); faster
+    than fairseq's products for a step's rows (docs/benchmarks.md, "What the engine's parts save").
+    The products round differently from fairseq's, so fixed beams, which equal fairseq's output bit
+    for bit, keep `plain_linear`.
 
     The copies are dropped by `refresh`, which generators call at the start of each generate call:
     weights may change between calls in ways a tensor does not record (fairseq's optimizers write
@@ -105,7 +104,7 @@ class RepackedLinears:
             return plain_linear(module, x)
         copy = self._copies.get(id(module))
         if copy is None or copy[0] is not w:
-            onednn = w.dtype == torch.float32 and self.onednn
+            onednn = w.dtype == torch.float32 and self.onednn and torch.backends.mkldnn.enabled
             w_copy = torch.ops.mkldnn._reorder_linear_weight(w.detach()) if onednn else w.detach().t().contiguous()
             copy = self._copies[id(module)] = (w, w_copy, onednn)
         if copy[2]:
