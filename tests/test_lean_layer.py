@@ -82,7 +82,7 @@ def _blocks(model, sample, lean: bool, monkeypatch, packed: bool = False, repack
 
 
 @pytest.mark.parametrize("options,repacked", [({}, False), ({"decoder_normalize_before": True}, False),
-                                                ({}, True)])
+                                              ({}, True)])
 def test_lean_blocks_equal_fairseq_layers(options, repacked, monkeypatch):
     model = random_transformer(D, 7, **options).double()
     assert all(supports_lean(layer) for layer in model.decoder.layers)
