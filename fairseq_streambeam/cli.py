@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import sys
+import threading
+import time
 from typing import List, Optional
 
 # the directory fairseq's import_user_module finds in this package's __path__ (so it imports nothing twice)
@@ -70,7 +73,27 @@ def _fairseq_command(interactive: bool) -> None:
         if message is None:
             raise
         print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+        _end_batch_prefetch()
         sys.exit(2)  # argparse's status for a usage error
+
+
+def _end_batch_prefetch(timeout: float = 10.0) -> None:
+    """fairseq adapter: fairseq-generate reads batches through iterators.BufferedIterator, whose
+    daemon thread (BackgroundConsumer) may be inside torch when an error ends the run early, and
+    finalizing the interpreter then aborts the process ("terminate called without an active
+    exception", SIGABRT) instead of exiting with the error's status. Each such thread is let end
+    after the batch it is reading: it is told to read no more (its `_max_len`) and its queue drained."""
+    from fairseq.data.iterators import BackgroundConsumer
+
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if isinstance(thread, BackgroundConsumer):
+            thread._max_len = 0
+            while thread.is_alive() and time.monotonic() < deadline:
+                try:
+                    thread._queue.get(timeout=0.05)
+                except queue.Empty:
+                    pass
 
 
 def fairseq_usage_error(e: BaseException) -> Optional[str]:

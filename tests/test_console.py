@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import BIN, REPO, run_cli, shared_path
 
-from fairseq_streambeam.cli import PLUGIN_DIR, TASK, with_plugin
+from fairseq_streambeam.cli import PLUGIN_DIR, TASK, _end_batch_prefetch, with_plugin
 
 SOURCES = ["Zwei Kinder spielen im Wasser.", "Ein Hund läuft durch den Schnee.", "Eine Frau liest ein Buch."]
 
@@ -93,6 +93,20 @@ def test_streambeam_decode_corpus(tmp_path):
     # fairseq's batch iterator asks for pinned memory on every device; torch's warning about it is
     # filtered where no accelerator exists (task._quiet_pin_memory_warning)
     assert "pin_memory" not in r.stderr or torch.accelerator.is_available(), r.stderr[-3000:]
+
+
+def test_an_error_lets_fairseqs_batch_prefetch_thread_end():
+    """An error that ends fairseq-generate early first lets fairseq's batch-prefetching daemon thread
+    end (cli._end_batch_prefetch): the interpreter finalizing while that thread is inside torch
+    aborts the process (SIGABRT) instead of exiting with status 2."""
+    from fairseq.data.iterators import BufferedIterator
+
+    itr = BufferedIterator(2, list(range(1000)))
+    assert next(itr) == 0
+    consumer = itr._consumer
+    assert consumer.is_alive()  # blocked on its full queue, with 997 items left to read
+    _end_batch_prefetch()
+    assert not consumer.is_alive()
 
 
 def test_fairseq_option_mistakes_are_one_line(tmp_path):
