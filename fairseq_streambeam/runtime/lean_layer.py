@@ -106,8 +106,8 @@ class RepackedLinears:
         if copy is None or copy[0] is not w:
             onednn = w.dtype == torch.float32 and self.onednn and torch.backends.mkldnn.enabled
             w_copy = torch.ops.mkldnn._reorder_linear_weight(w.detach()) if onednn else w.detach().t().contiguous()
-            copy = self._copies[id(module)] = (w, w_copy, onednn)
-        if copy[2]:
+            copy = self._copies[id(module)] = (w, w_copy)
+        if copy[1].is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, copy[1], module.bias, "none", [], "")
         return _product(x, copy[1], module.bias)
 
