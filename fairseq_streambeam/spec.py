@@ -124,7 +124,7 @@ class DecodeSpec:
     stream_candidates: Optional[int] = None
     stream_window: int = 32
     max_wait_steps: int = 0
-    compile: bool = False  # the lean decoder layers through torch.compile (runtime.compiled)
+    compile: bool = False  # the lean decoder layers through torch.compile; on CUDA, graph steps (runtime.graph_step)
     # scorers
     lmbr_posteriors: Optional[str] = None
     lmbr_lambda: Optional[float] = None

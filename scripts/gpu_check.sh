@@ -11,7 +11,8 @@
 #            and ct2 where it runs) on --limit and a fifth of it
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh, greedy distillation
 #            of --drafter-lines) for --drafter-minutes, then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
-#   compile  --compile against the same decodings without it, in one process each: deen-tiny beam
+#   compile  the host work per step with --compile (on CUDA: CUDA graphs; scripts/host_step.py),
+#            then --compile against the same decodings without it, in one process each: deen-tiny beam
 #            and var-stream at beam 5 (and ct2 where it runs), gec-tiny IAD at batch 1 and 32
 #            against fairseq greedy; at least 3 repeats, of which the first includes compiling
 #   serve    streambeam-serve on deen-tiny, var-stream k=5: continuous batching against static and
@@ -232,6 +233,8 @@ stage_compile() {
   local methods="beam,beam+compile,var-stream,var-stream+compile" b
   local repeats=$(( repeats < 3 ? 3 : repeats ))  # the first compiles: medians of 3 or more are warm
   has_ct2 && methods+=",ct2"
+  run compile host-step-compile "$python" scripts/host_step.py --device "$device" --compile \
+    --rounds "$([ "$tiny" = 1 ] && echo 1 || echo 5)"
   bench compile deen-compile-k5 --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam 5 \
     --methods "$methods" --baseline beam --exact-ref beam --limit "$limit"
   for b in "${batches[@]}"; do

@@ -6,6 +6,12 @@ and counts the torch operators they dispatch (on a GPU, a kernel launch or a vie
 a whole generate call's, encoder included, divided by its decoder steps.
 
   python scripts/host_step.py [--sources 8] [--beam 5] [--layers 3] [--dim 16] [--rounds 7] [--device cuda]
+                             [--compile]
+
+`--compile` gives the plugin's decodings --compile (on CUDA, one-slot steps replayed as CUDA graphs);
+the timed rounds follow one untimed run of each, which compiles and captures. `--graph-steps` runs
+their beam steps on the static shapes that --compile replays on CUDA, eagerly on the CPU, and counts
+only the operators dispatched around them: what the host launches per step besides a graph's replay.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fairseq_streambeam import StreamBeamGenerator
+from fairseq_streambeam.runtime.graph_step import GraphStep
 
 DECODINGS = ("fairseq", "beam", "var-batch", "var-stream", "continuous")
 
@@ -68,12 +75,28 @@ def sample_of(d: Dictionary, n: int, seed: int = 5) -> dict:
 LENGTH = 40  # every output's length: the limit, and the minimum
 
 
-def generator(name: str, model, d: Dictionary, beam: int):
+def generator(name: str, model, d: Dictionary, beam: int, compile: bool = False):
     if name == "fairseq":
         return SequenceGenerator([model], d, beam_size=beam, max_len_b=LENGTH, min_len=LENGTH)
     order = {"stream_order": "continuous"} if name == "continuous" else {}
-    return StreamBeamGenerator([model], d, beam_size=beam, max_len_b=LENGTH, min_len=LENGTH,
+    return StreamBeamGenerator([model], d, beam_size=beam, max_len_b=LENGTH, min_len=LENGTH, compile=compile,
                                decoding="var-stream" if name == "continuous" else name, **order)
+
+
+def graph_steps(gen, inside: collections.Counter) -> None:
+    """`gen`'s beam steps on static shapes, on the CPU; the operators dispatched inside them (what
+    a CUDA graph replays) are added to `inside`."""
+    for block in gen.blocks:
+        block.graph = GraphStep(block.decoder, on_cpu=True)
+        run = block.graph._static
+
+        def static(*args, run=run):
+            with OpCount() as c:
+                out = run(*args)
+            inside.update(c.n)
+            return out
+
+        block.graph._static = static
 
 
 def steps_of(gen, model, sample) -> int:
@@ -107,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and batch go")
+    p.add_argument("--compile", action="store_true", help="the plugin's decodings with --compile")
+    p.add_argument("--graph-steps", action="store_true",
+                   help="CPU: beam steps on static shapes, operators inside them not counted")
     p.add_argument("--decodings", default=",".join(DECODINGS), help="comma-separated, from " + ", ".join(DECODINGS))
     return p
 
@@ -120,12 +146,19 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    if a.graph_steps and a.device == "cuda":
+        p.error("--graph-steps: on CUDA, --compile replays the steps as graphs")
     model, d = random_model(a.layers, a.dim, a.vocab)
     model.to(a.device)
     sample = sample_of(d, a.sources)
     sample["net_input"] = {k: v.to(a.device) for k, v in sample["net_input"].items()}
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    gens = {n: generator(n, model, d, a.beam) for n in names}
+    gens = {n: generator(n, model, d, a.beam, a.compile) for n in names}
+    inside: collections.Counter = collections.Counter()
+    if a.graph_steps:
+        for n, g in gens.items():
+            if n != "fairseq":
+                graph_steps(g, inside)
     best = dict.fromkeys(names, float("inf"))
     with torch.no_grad():
         steps = {n: steps_of(g, model, sample) for n, g in gens.items()}
@@ -138,12 +171,15 @@ def main(argv=None) -> None:
                 best[n] = min(best[n], time.perf_counter() - t)
         ops = {}
         for n, g in gens.items():
+            inside.clear()
             with OpCount() as c:
                 g.generate([model], sample)
-            ops[n] = sum(c.n.values())
+            ops[n] = sum(c.n.values()) - sum(inside.values())
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} thread(s)"
     print(f"torch {torch.__version__}, {where}; random transformer {a.layers}+{a.layers} "
-          f"layers, d {a.dim}, {a.vocab} symbols; {a.sources} sources, beam {a.beam}; minimum of {a.rounds} rounds")
+          f"layers, d {a.dim}, {a.vocab} symbols; {a.sources} sources, beam {a.beam}; minimum of {a.rounds} rounds"
+          + ("; the plugin's decodings with --compile" if a.compile else "")
+          + ("; beam steps on static shapes, operators inside them not counted" if a.graph_steps else ""))
     print(f"| decoding | steps | ms per step | x {names[0]} | operators per step |")
     print("|---|---:|---:|---:|---:|")
     first = best[names[0]] / steps[names[0]]

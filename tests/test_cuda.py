@@ -5,7 +5,8 @@ The invariants are the CPU tests themselves, imported below and collected here a
 every generator call rerouted to the device (tests/device_router.py): beam and fixed-stream ==
 fairseq's SequenceGenerator (float32; random models, deen-tiny, a two-model ensemble, prefix
 tokens), var-stream == var-batch (float64), IAD and GAD with beta 1 (drafter model, n-gram lookup)
-== greedy, LMBR and token masks, the backoff stack, `--compile` (Triton kernels) == eager; and
+== greedy, LMBR and token masks, the backoff stack, `--compile` (Triton kernels) == eager, the
+static-shape beam steps (runtime/graph_step.py, here replayed as CUDA graphs) == fairseq and var-batch; and
 float16 models (fairseq-generate --fp16): beam vs fairseq's generator and var-stream vs var-batch
 at stated rates. Marked `cuda` (`pytest -m cuda`); skipped without a GPU.
 STREAMBEAM_TEST_DEVICE=cpu runs the same tests through the router on the CPU, so the rerouting
@@ -71,6 +72,11 @@ from test_generation_options import (  # noqa: F401
     test_print_alignment_matches_fairseq,
     test_print_alignment_var_stream_equals_var_batch,
 )
+from test_graph_step import (  # noqa: F401
+    test_beam_on_static_steps_equals_fairseq,
+    test_deen_tiny_float32_beam_on_static_steps,
+    test_var_stream_on_static_steps_equals_var_batch,
+)
 from test_lmbr import (  # noqa: F401
     test_decoded_positional_scores_equal_reference,
     test_lmbr_var_stream_equals_var_batch_and_alone,
@@ -97,6 +103,7 @@ from test_stream_invariance import (  # noqa: F401
 from fairseq_streambeam import Budget, StreamBeamGenerator
 from fairseq_streambeam.drafters.input_copy import InputCopyDrafter
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+from fairseq_streambeam.runtime.graph_step import GraphStep
 
 DEVICE = torch.device(os.environ.get("STREAMBEAM_TEST_DEVICE", "cuda"))
 PACKAGE = Path(__file__).resolve().parents[1] / "fairseq_streambeam"
@@ -286,6 +293,29 @@ def test_beam_step_host_syncs():
     for i, c in enumerate(steps[:-1]):
         assert dict(_ours(c)) == STEADY_STEP_SYNCS, f"step {i} synchronized more or less than designed:\n{report}"
     assert 1 <= sum(_ours(steps[-1]).values()) <= FINISHING_STEP_MAX, report
+
+
+def test_graph_step_host_syncs():
+    """Beam steps replayed as CUDA graphs (`--compile`, runtime/graph_step.py) make the syncs
+    of eager steps: a step's inputs are copied in from device tensors and host numbers, and
+    nothing is read back. Steps 1 and 2 capture the two graphs of this run (one per buffer read),
+    which may synchronize in GraphStep._run; step 0 has no cached slot and is not a graph step."""
+    _needs_cuda()
+    d = make_dict(40)
+    model = random_transformer(d, 5, eos_bias=-30.0).to(DEVICE)  # no EOS before the length limit
+    sample = to_device(make_sample(d, random_sentences(d, 8, 6, min_len=3)), DEVICE)
+    gen = StreamBeamGenerator([model], d, beam_size=4, max_len_b=12)
+    for block in gen.blocks:
+        block.graph = GraphStep(block.decoder)
+    steps = [c.syncs for c in _syncs_per_step(gen, sample)]
+    report = "\n".join(f"step {i}: {dict(c)}" for i, c in enumerate(steps))
+    print(report)
+    assert sum(block.graph.captures for block in gen.blocks) == 2, report  # 32 rows, 13 slots: one shape
+    for i, c in enumerate(steps[:-1]):
+        ours = _ours(c)
+        if i in (1, 2):
+            ours.pop("graph_step.py:_run", None)
+        assert dict(ours) == STEADY_STEP_SYNCS, f"step {i} synchronized more or less than designed:\n{report}"
 
 
 def test_continuous_step_host_syncs():

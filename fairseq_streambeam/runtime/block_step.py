@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .compiled import CompiledLayerMath
+from .graph_step import GraphStep
 from .kv_cache import IncState, cached_length
 from .lean_layer import (
     LayerMath,
@@ -92,6 +93,9 @@ class BlockDecoder:
                              and decoder.adaptive_softmax is None and plain_modules(decoder.output_projection))
         self.project = lin or plain_linear
         self.call_projection = None
+        # with `compile`, one-slot steps over per-source caches replay CUDA graphs on CUDA devices
+        self.graph = (GraphStep(decoder) if compile and self.lean and self.plain_output
+                      and plain_modules(decoder.project_out_dim) else None)
         self._table: Optional[Tensor] = None
         self._version: Optional[tuple] = None
 
@@ -105,6 +109,8 @@ class BlockDecoder:
                                        self.repacked or plain_linear)
         if self.plain_output:
             self.call_projection = plain_projection(self.decoder.output_projection)
+        if self.graph is not None:
+            self.graph.start_call()
 
     def positions(self, length: int, device) -> Optional[Tensor]:
         """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0)."""
@@ -149,6 +155,12 @@ class BlockDecoder:
         if decoder.layernorm_embedding is not None:
             x = decoder.layernorm_embedding(x)
         x = decoder.dropout_module(x)
+        if (self.graph is not None and m == 1 and groups is not None and state is not None and block_pad is None
+                and slots is None and not logits_for_tail and not decoder.training and not torch.is_grad_enabled()
+                and (x.is_cuda or self.graph.on_cpu)):
+            logits = self.graph.step(x, state, groups, rows)
+            if logits is not None:
+                return logits
 
         prev = 0 if state is None else cached_length(decoder, state)
         mask = block_attn_mask(prev, m, tail, x.dtype, x.device) if m > 1 else None  # one slot sees every key

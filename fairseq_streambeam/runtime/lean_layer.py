@@ -296,7 +296,8 @@ class LayerMath:
     (runtime.compiled). Returns the block's output, each layer's self-attention keys and values
     with the block appended, and its cross-attention keys and values (computed from `enc` where
     not cached). `attends`: an encoder output was given (fairseq skips cross-attention without one);
-    `rows`: as for `lean_layers`."""
+    `rows`: as for `lean_layers`; `writes`: per layer, SlotWrites of its keys and values (static
+    shapes: the block's slot is written into a buffer of fixed capacity, not appended)."""
 
     def __init__(self, layers, lin=linear):
         self.layers = layers
@@ -306,7 +307,7 @@ class LayerMath:
                  key_mask: Optional[Tensor], attn_mask: Optional[Tensor], attends: bool,
                  cross_k: List[Optional[Tensor]], cross_v: List[Optional[Tensor]], cross_mask: Optional[Tensor],
                  enc: Optional[Tensor], slot_index: Optional[Tensor], pos: Optional[Tensor], n_sources: int,
-                 width: int, rows: Optional[Tensor] = None):
+                 width: int, rows: Optional[Tensor] = None, writes: Optional[list] = None):
         n, m = x.size(0), x.size(1)
         slots = None if slot_index is None else Slots(slot_index, n, m)
         groups = None if width == 0 else SourceGroups(pos, n_sources, width)
@@ -314,7 +315,7 @@ class LayerMath:
         x = x.reshape(n * m, x.size(2)) if slots is None else slots.pack(x)
         masks: Dict[tuple, Optional[Tensor]] = {}  # additive masks by (kind, heads): layers may differ in heads
         ks, vs, cks, cvs = [], [], [], []
-        for layer, pk, pv, ck, cv in zip(self.layers, prev_k, prev_v, cross_k, cross_v):
+        for i, (layer, pk, pv, ck, cv) in enumerate(zip(self.layers, prev_k, prev_v, cross_k, cross_v)):
             heads = layer.self_attn.num_heads
             if ("self", heads) not in masks:
                 masks["self", heads] = _additive(key_mask, attn_mask, heads, x.dtype)
@@ -326,7 +327,7 @@ class LayerMath:
                 cross_add = masks["cross", heads]
             x, k, v, ck, cv = _layer(layer, x, n, m, attends, enc, pk, pv, rows,
                                      masks["self", layer.self_attn.num_heads], ck, cv, cross_add, slots, groups,
-                                     self.lin)
+                                     self.lin, None if writes is None else writes[i])
             ks.append(k)
             vs.append(v)
             cks.append(ck)
@@ -350,11 +351,11 @@ def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: in
 def _layer(layer, x: Tensor, n: int, m: int, attends: bool, enc: Optional[Tensor], prev_k: Optional[Tensor],
            prev_v: Optional[Tensor], rows: Optional[Tensor], self_add: Optional[Tensor], cross_k: Optional[Tensor],
            cross_v: Optional[Tensor], cross_add: Optional[Tensor], slots: Optional[Slots],
-           groups: Optional[SourceGroups], lin=linear):
+           groups: Optional[SourceGroups], lin=linear, write: Optional[tuple] = None):
     """One decoder layer on the block's slots `x` [N * m, C] (packed: [T, C])."""
     pre = layer.normalize_before
-    x, k, v = sublayer(pre, layer.self_attn_layer_norm, x,
-                       lambda y: _self_attention(layer.self_attn, y, n, m, prev_k, prev_v, rows, self_add, slots, lin))
+    x, k, v = sublayer(pre, layer.self_attn_layer_norm, x, lambda y: _self_attention(
+        layer.self_attn, y, n, m, prev_k, prev_v, rows, self_add, slots, lin, write))
     if layer.encoder_attn is not None and attends:  # as fairseq: no encoder output, no cross-attention
         x, cross_k, cross_v = sublayer(pre, layer.encoder_attn_layer_norm, x, lambda y: _cross_attention(
             layer.encoder_attn, y, n, m, enc, cross_k, cross_v, cross_add, slots, groups, lin))
@@ -396,14 +397,16 @@ def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 def _self_attention(mha: MultiheadAttention, x: Tensor, n: int, m: int, prev_k: Optional[Tensor],
                     prev_v: Optional[Tensor], rows: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
-                    lin=linear):
+                    lin=linear, write: Optional[tuple] = None):
     """Attention output, and the keys and values with the block appended to `prev_k`/`prev_v`
-    (rows `rows` of them, when given)."""
+    (rows `rows` of them, when given), or written at their slot (`write`: two SlotWrites)."""
     h, d = mha.num_heads, mha.head_dim
     q = _block(lin(mha.q_proj, x) * mha.scaling, slots)
     k = _block(lin(mha.k_proj, x), slots).view(n, m, h, d).transpose(1, 2)
     v = _block(lin(mha.v_proj, x), slots).view(n, m, h, d).transpose(1, 2)
-    if prev_k is not None:
+    if write is not None:
+        k, v = write[0](prev_k, k, rows), write[1](prev_v, v, rows)
+    elif prev_k is not None:
         k = _append(prev_k, k, rows)
         v = _append(prev_v, v, rows)  # type: ignore[arg-type]
     return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v
@@ -427,6 +430,23 @@ def _append(prev: Tensor, new: Tensor, rows: Optional[Tensor]) -> Tensor:
     torch.index_select(prev, 0, rows, out=out[:, :, :length])
     out[:, :, length:] = new
     return out
+
+
+class SlotWrite:
+    """A one-slot block's keys (or values) written into `out` [N, H, L, d], a buffer of fixed
+    capacity, at slot `slot` (a one-element long tensor), after the cached slots follow `rows`
+    (read from `prev`, another buffer, or `out` itself): the static shapes runtime.graph_step
+    replays. Slots after `slot` hold stale values, which the key mask hides."""
+
+    def __init__(self, out: Tensor, slot: Tensor):
+        self.out, self.slot = out, slot
+
+    def __call__(self, prev: Tensor, new: Tensor, rows: Optional[Tensor]) -> Tensor:
+        if rows is not None:
+            self.out.copy_(prev.index_select(0, rows))
+        elif prev is not self.out:
+            self.out.copy_(prev)
+        return self.out.index_copy_(2, self.slot, new)
 
 
 def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
