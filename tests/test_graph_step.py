@@ -3,12 +3,16 @@ run here eagerly on the CPU: rows, cached slots and sources padded to buckets an
 values in two buffers of fixed capacity. In float64 the output must be the dynamic step's: beam
 equals fairseq's SequenceGenerator, and var-stream equals var-batch under schedules whose cohorts
 alternate, merge and are cut while sharing the buffers. In float32 on deen-tiny, beam keeps its
-top-1. tests/test_cuda.py collects these tests again on a GPU, where the steps are graphs.
+top-1. On the CPU the steps run as `Replayed`, which plays what a graph does that an eager step
+does not: the region a step must not read holds garbage, a shape's first step runs twice (warm-up
+and capture), and other shapes' outputs are overwritten (one memory pool). tests/test_cuda.py
+collects these tests again on a GPU, where the steps are graphs.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import assert_same_hypos, fairseq_generate, make_dict, make_sample, random_sentences, random_transformer
 from test_exact_fairseq import _deen_sample, deen  # noqa: F401
 
@@ -22,12 +26,66 @@ KW = dict(beam_size=6, max_len_b=14, len_penalty=0.8)
 VAR = dict(KW, prune_abs_threshold=1.2, prune_max_cands=3)
 
 
+def _garbage(t: torch.Tensor) -> None:
+    """Large finite values where a step must read nothing (a masked or padded place)."""
+    if t.numel():
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel()), dtype=t.dtype) * 30)
+
+
+class Replayed(GraphStep):
+    """GraphStep with a CUDA graph's hazards played on the CPU (see the module doc); on CUDA, the
+    real graphs."""
+
+    def __init__(self, decoder):
+        super().__init__(decoder, on_cpu=True)
+        self.outs: dict = {}
+
+    def _allocate(self, *args):
+        super()._allocate(*args)
+        self.outs.clear()
+        b = self.buf
+        for t in b.k[0] + b.k[1] + b.v[0] + b.v[1] + b.ck + b.cv + [b.x]:
+            _garbage(t)
+
+    def _stage(self, x, state, groups, rows, n, length, nb, lb, sb, lsb):
+        super()._stage(x, state, groups, rows, n, length, nb, lb, sb, lsb)
+        b, rd = self.buf, self.cur
+        cached = self._self_kv(state, "prev_key")[0].size(0)
+        _garbage(b.x[n:])
+        for t in b.k[rd] + b.v[rd]:
+            _garbage(t[:, :, length:])
+            _garbage(t[cached:])
+        for t in b.k[1 - rd] + b.v[1 - rd]:
+            _garbage(t)
+        for layer, t in zip(self.decoder.layers, b.ck):
+            s, ls = layer.encoder_attn._get_input_buffer(state)["prev_key"].shape[::2]
+            _garbage(t[s:])
+            _garbage(t[:, :, ls:])
+        if rows is not None:
+            b.rows[n:nb].random_(0, cached, generator=torch.Generator().manual_seed(n))
+
+    def _run(self, key, fn):
+        if self.buf.x.is_cuda:
+            return super()._run(key, fn)
+        self.graphs.setdefault(key, None)
+        if key not in self.outs:
+            self.captures += 1
+            fn()
+            self.outs[key] = fn().clone()
+        else:
+            self.outs[key].copy_(fn())
+        for other, out in self.outs.items():
+            if other != key:
+                out.fill_(float("nan"))
+        return self.outs[key]
+
+
 def with_graph_steps(models, d, **kw):
-    """A StreamBeamGenerator whose one-slot steps take GraphStep on the CPU."""
+    """A StreamBeamGenerator whose one-slot steps are graph steps (`Replayed` on the CPU)."""
     gen = StreamBeamGenerator(models, d, **kw)
     assert gen.blocks, "the lean block steps apply to these models"
     for block in gen.blocks:
-        block.graph = GraphStep(block.decoder, on_cpu=True)
+        block.graph = Replayed(block.decoder)
     return gen
 
 

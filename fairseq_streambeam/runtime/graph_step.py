@@ -11,8 +11,8 @@ only for fixed shapes and fixed memory. `GraphStep` gives the beam decodings' on
   padded rows attend to.
 A graph is captured per bucket and replayed; what changes between steps (the block's embeddings,
 back-pointers, grid positions, slot index and key mask) is copied into its inputs first. The
-cache's incremental state holds views of the buffers. Before another cache steps, or a cache is
-cut, the views are copied out (`_release`), so no state sees its slots overwritten.
+cache's incremental state holds views of the buffers: at the next step of another cache, or of
+one that was cut, they are first copied out (`_release`), so no state sees its slots overwritten.
 `on_cpu` runs the same static step eagerly on the CPU, where no graph is captured (tests).
 """
 
@@ -57,12 +57,14 @@ class GraphStep:
         self.cur = 0  # the buffer the next step reads
 
     def start_call(self) -> None:
-        """A generate call begins: take the layers' plain attributes afresh; graphs and buffers are
-        dropped when a parameter moved (captured kernels read fixed addresses)."""
+        """A generate call (or an online decoder) begins: take the layers' plain attributes afresh;
+        graphs and buffers are dropped when a parameter moved (captured kernels read fixed
+        addresses), else kept for the next calls."""
         dec = self.decoder
+        self._release()  # a cache still stepping (an online decoder's) keeps its keys and values
+        self.cross = None
         weights = tuple((p.data_ptr(), p.dtype, p.device) for p in dec.parameters())
         if weights != self._weights:
-            self._release()
             self._reset()
             self._weights = weights
         self.math = LayerMath([plain_layer(layer) for layer in dec.layers], plain_linear)
@@ -190,20 +192,21 @@ class GraphStep:
             self.captures += key not in self.graphs
             self.graphs.setdefault(key, None)
             return fn()
-        entry = self.graphs.get(key)
-        if entry is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn()
-            self.pool = graph.pool()
-            entry = self.graphs[key] = (graph, out)
-            self.captures += 1
-        entry[0].replay()
+        with torch.cuda.device(self.buf.x.device):  # streams and captures are the current device's
+            entry = self.graphs.get(key)
+            if entry is None:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = fn()
+                self.pool = graph.pool()
+                entry = self.graphs[key] = (graph, out)
+                self.captures += 1
+            entry[0].replay()
         return entry[1]
 
     def _write_back(self, state: IncState, n: int, length: int, wr: int) -> None:
