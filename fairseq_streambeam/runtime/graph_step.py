@@ -201,7 +201,8 @@ class GraphStep:
                     fn()
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                # thread_local: fairseq's batch prefetch thread, or a server's, may touch CUDA meanwhile
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     out = fn()
                 self.pool = graph.pool()
                 entry = self.graphs[key] = (graph, out)
