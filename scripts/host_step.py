@@ -6,7 +6,7 @@ and counts the torch operators they dispatch (on a GPU, a kernel launch or a vie
 a whole generate call's, encoder included, divided by its decoder steps.
 
   python scripts/host_step.py [--sources 8] [--beam 5] [--layers 3] [--dim 16] [--rounds 7] [--device cuda]
-                             [--compile]
+                             [--compile | --graph-steps]
 
 `--compile` gives the plugin's decodings --compile (on CUDA, one-slot steps replayed as CUDA graphs);
 the timed rounds follow one untimed run of each, which compiles and captures. `--graph-steps` runs
