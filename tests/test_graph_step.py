@@ -62,7 +62,7 @@ class Replayed(GraphStep):
             _garbage(t[s:])
             _garbage(t[:, :, ls:])
         if rows is not None:
-            b.rows[n:nb].random_(0, cached, generator=torch.Generator().manual_seed(n))
+            b.rows[n:nb].random_(0, cached, generator=torch.Generator(b.rows.device).manual_seed(n))
 
     def _run(self, key, fn):
         if self.buf.x.is_cuda:
