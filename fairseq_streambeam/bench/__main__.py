@@ -6,6 +6,7 @@ Writes a Markdown table (paper Table 1 shape), JSON and PNG plots to --out (docs
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -165,10 +166,12 @@ def main(argv=None):
     ct2 = _ct2_translator(args, variants, threads, use_cuda, settings["fp16"])
     oracle = _greedy_truth(task, models, variants, settings, ts, use_cuda)
 
+    gens: dict = {}  # one generator per method, for its warm-up and every repeat
+
     def decode(v: Variant, bar, first_batch: bool = False):  # one pass: hypotheses by sentence, counters
         if v.decoding == "ct2":
             return _run_ct2(ct2, v, settings, ts, task.target_dictionary, bar, first_batch)
-        return run_variant(task, models, v, settings, ts, bar, use_cuda, oracle, lmbr_file, first_batch)
+        return run_variant(task, models, v, settings, ts, bar, use_cuda, oracle, lmbr_file, first_batch, gens)
 
     runs = {v.name: {"times": [], "hyps": None, "counters": None, "peak": 0.0, "warmup": 0.0} for v in variants}
     for v in variants:  # untimed: the first batch, where first calls, drafters' tables and compiling cost
@@ -216,7 +219,7 @@ def main(argv=None):
             "padding_share": (round(c.padding_share, 3)
                               if c and (c.padded_positions or c.verified_rows) else None),
             "accepted_per_pass": round(c.accepted_per_pass, 2) if c and c.accepted_tokens else None,
-            # counters of the last repeat (each repeat builds its generator afresh)
+            # counters of the last repeat
             "model_seconds": round(c.model_seconds, 3) if c else None,
             "draft_seconds": round(c.draft_seconds, 3) if c and c.verified_rows else None,
             "peak_mb": r["peak"],
@@ -301,26 +304,31 @@ def variant_spec(v: Variant, settings: dict, lmbr_file: Optional[str] = None) ->
 
 
 def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: bool, oracle=None, lmbr_file=None,
-                first_batch: bool = False):
+                first_batch: bool = False, gens: Optional[dict] = None):
     """One pass of variant `v` over the test set (`first_batch`: its first batch only) through the
     task API, as fairseq-generate drives it (generator, batching, inference steps). Returns
-    hypotheses by sentence and counters."""
+    hypotheses by sentence and the pass's counters. `gens`: generators by method, kept across
+    passes as fairseq-generate keeps one for its run (--compile's captured graphs live in it)."""
     from fairseq.tasks.translation import TranslationTask
 
     from fairseq_streambeam.drafters.oracle import OracleDrafter
 
     spec = variant_spec(v, settings, lmbr_file)
+    gen = gens.get(v.name) if gens is not None else None
     if spec.decoding == "fairseq":  # fairseq's own generator; the bench scores each source's best (nbest 1)
         task.spec = spec
+    if gen is None and spec.decoding == "fairseq":
         args = argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
                                   max_len_b=settings["max_len_b"], min_len=1, unkpen=0, temperature=1.0, nbest=1,
                                   unnormalized=False)
         gen = TranslationTask.build_generator(task, models, args)
-    else:
+    elif gen is None:
         drafter = None  # an oracle that knows no output drafts nothing (no-draft)
         if v.decoding in ("gad-oracle", "no-draft"):
             drafter = OracleDrafter(oracle if v.decoding == "gad-oracle" else defaultdict(list), v.block_size or 8)
         gen = task.generator_for(models, spec, drafter=drafter, report_at_exit=False)  # the table reports them
+    if gens is not None:
+        gens[v.name] = gen
     dataset = CorpusOrder(ts.dataset) if settings["corpus_order"] else ts.dataset
     batch_size = v.batch_size or settings["batch_size"]
     if first_batch:
@@ -331,6 +339,7 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
     counters = getattr(gen, "counters", None)
     if counters is not None:
         counters.trace = []
+        before = dataclasses.replace(counters)
     hyps = {}
     for sample in itr:
         if use_cuda:
@@ -341,6 +350,11 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
         bar.update(len(out))
     if use_cuda:
         torch.cuda.synchronize()
+    if counters is not None:  # this pass's share of the generator's running totals
+        names = [f.name for f in dataclasses.fields(counters) if f.init]
+        trace, counters = counters.trace, dataclasses.replace(
+            counters, **{k: getattr(counters, k) - getattr(before, k) for k in names})
+        counters.trace = trace
     return hyps, counters
 
 
