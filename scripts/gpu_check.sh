@@ -21,8 +21,8 @@
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
 #            --big-minutes on the de-en training text (pre-norm, fp16), its step costs by rows, host
 #            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile), beam 5 with
-#            fairseq, beam, var-batch, var-stream and fixed-stream (fp32, then fp16), and beam 50 on a
-#            fifth of --limit
+#            fairseq, beam, var-batch, var-stream and fixed-stream (fp32, then fp16), beam and
+#            var-stream with and without --compile on a quarter of --limit, and beam 50 on a fifth
 # Each stage logs to OUT/<stage>.log; OUT/results.json, OUT/results.md and OUT/gpu_check.png are
 # rewritten after every command, so a run cut off midway still returns what it measured.
 # Options: --step LIST (tests; several comma-separated) --out DIR ($OUT, else ./gpu-out)
@@ -314,6 +314,11 @@ stage_big() {
   [ "$device" = cuda ] && half=fp16
   bench big big-k5 --data "$bb" --path "$ckpt" -s de -t en --beam 5 \
     --methods fairseq,beam,var-batch,var-stream,fixed-stream --limit "$limit"
+  # --compile where the step is big enough for the device's share to matter: a quarter of the
+  # sentences, 3 repeats (the first compiles and captures)
+  repeats=$(( repeats < 3 ? 3 : repeats )) bench big big-k5-compile --data "$bb" --path "$ckpt" -s de -t en \
+    --beam 5 --methods beam,beam+compile,var-stream,var-stream+compile --baseline beam --exact-ref beam \
+    --limit "$(( limit / 4 > 0 ? limit / 4 : 1 ))"
   for k in "${beams[@]}"; do
     [ "$k" -gt 5 ] || continue
     n=$(( limit / 5 > 0 ? limit / 5 : 1 ))
