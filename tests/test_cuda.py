@@ -5,8 +5,9 @@ The invariants are the CPU tests themselves, imported below and collected here a
 every generator call rerouted to the device (tests/device_router.py): beam and fixed-stream ==
 fairseq's SequenceGenerator (float32; random models, deen-tiny, a two-model ensemble, prefix
 tokens), var-stream == var-batch (float64), IAD and GAD with beta 1 (drafter model, n-gram lookup)
-== greedy, LMBR and token masks, the backoff stack, `--compile` (Triton kernels) == eager, the
-static-shape beam steps (runtime/graph_step.py, here replayed as CUDA graphs) == fairseq and var-batch; and
+== greedy, LMBR and token masks, the backoff stack, `--compile` == eager (on CUDA it compiles no
+inductor graph), the static-shape beam steps (runtime/graph_step.py, here replayed as CUDA graphs)
+== fairseq and var-batch; and
 float16 models (fairseq-generate --fp16): beam vs fairseq's generator and var-stream vs var-batch
 at stated rates. Marked `cuda` (`pytest -m cuda`); skipped without a GPU.
 STREAMBEAM_TEST_DEVICE=cpu runs the same tests through the router on the CPU, so the rerouting
@@ -273,6 +274,12 @@ def _report(calls: list[Call], what: str = "step") -> str:
     return "\n".join(f"{what} {i}: {dict(c.syncs)}" + (f" note {c.note}" if c.note is not None else "")
                      + (" admitted" if c.admitted else "") + (f" finished {c.returned}" if c.returned else "")
                      for i, c in enumerate(calls))
+
+
+@pytest.fixture
+def inductor_compiles() -> bool:
+    """test_compile's tests, collected here: on CUDA `--compile` compiles no inductor graph."""
+    return DEVICE.type != "cuda"
 
 
 def _needs_cuda() -> None:

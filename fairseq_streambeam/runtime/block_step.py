@@ -74,7 +74,8 @@ class BlockDecoder:
     """A block of tokens per row through one fairseq transformer decoder. It keeps the positional
     embeddings of target positions 0..n-1 (grown by doubling up to max_positions; recomputed after
     a learned table's weight changes), and whether its layers take the lean path (runtime.lean_layer)
-    and, with `compile`, run compiled (runtime.compiled). `repacked`: the lean layers and the
+    and, with `compile`, run compiled on the CPU (runtime.compiled) or replay one-slot steps as
+    CUDA graphs on CUDA (runtime.graph_step). `repacked`: the lean layers and the
     output projection multiply by copies of the weights in the CPU's fastest layout in generate
     calls over many sources (RepackedLinears; not with `compile`)."""
 
@@ -104,13 +105,19 @@ class BlockDecoder:
         lean math over the layers' plain attributes (lean_layer.plain_layer), taken afresh."""
         if self.repacked is not None:
             self.repacked.refresh(n_sources)
-        if self.lean and self.compiled is None:
+        if self.lean:
             self.call_math = LayerMath([plain_layer(layer) for layer in self.decoder.layers],
                                        self.repacked or plain_linear)
         if self.plain_output:
             self.call_projection = plain_projection(self.decoder.output_projection)
         if self.graph is not None:
             self.graph.start_call()
+
+    def _math(self, x: Tensor) -> Optional[LayerMath]:
+        """The layers' math for `x`: compiled on the CPU. On CUDA eager: there `--compile` is the
+        graph steps, and inductor's kernels measured no faster than eager on an H100 (IAD 1.04x to
+        1.19x eager's time, beams 1.01x to 1.06x; docs/benchmarks.md) at a compile of 20 to 35 s."""
+        return self.compiled if self.compiled is not None and not x.is_cuda else self.call_math
 
     def positions(self, length: int, device) -> Optional[Tensor]:
         """[length, C] positional embeddings of target positions 0..length-1 (BOS is position 0)."""
@@ -170,7 +177,7 @@ class BlockDecoder:
             raise ValueError("forward_block: slots and logits_for_tail do not combine")
         if self.lean and not decoder.training:
             x = lean_layers(decoder.layers, x, enc, enc_mask, state, mask, block_pad, slots, groups,  # batch-major
-                            self.compiled or self.call_math, rows)
+                            self._math(x), rows)
         else:
             if groups is not None or rows is not None:
                 raise ValueError("forward_block: caches with keys per source or pending rows need lean layers")
