@@ -58,8 +58,8 @@ class StreamBeamConfig(TranslationConfig):
                                      "--batch-size/--max-tokens stay the live budget n")
     max_wait_steps: int = _option(0, "latency bound: step a cohort first once it has waited this many decoder steps "
                                      "(0 = off; output unchanged)")
-    compile: bool = _option(False, "run the decoder layers' math through torch.compile (inductor), and on CUDA "
-                                   "replay beam steps as CUDA graphs: compiles and captures a few graphs at the "
+    compile: bool = _option(False, "on the CPU, run the decoder layers' math through torch.compile (inductor); on "
+                                   "CUDA, replay beam steps as CUDA graphs: compiles or captures a few graphs at the "
                                    "start; scores move in their last bits")
     lmbr_posteriors: Optional[str] = _option(None, "LMBR n-gram posteriors (JSON lines by sentence id, from "
                                                    "python -m fairseq_streambeam.scorers.build_posteriors)")
