@@ -96,6 +96,32 @@ def test_beam_equals_fairseq(dtype):
     assert_same_hypos(fairseq_generate(models, D, s, **KW), ours(models, D, s, **KW)[0], atol=0.0)
 
 
+def _rows_per_call(gen, model, sample) -> list:
+    """The rows of each decoder call (the first layer's input is time-major: [T, rows, C])."""
+    rows = []
+    hook = model.decoder.layers[0].register_forward_pre_hook(lambda mod, args: rows.append(args[0].size(1)))
+    try:
+        gen.generate([model], sample)
+    finally:
+        hook.remove()
+    return rows
+
+
+def test_beam_calls_the_decoder_in_fairseqs_shapes():
+    """Half-precision GPU kernels are chosen by shape, so rounding follows the shapes: in half
+    precision, beam runs every decoder call on fairseq's rows, its first step on k copies of
+    each source (the encoder-attention keys cached there serve every later step)."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    from fairseq_streambeam import StreamBeamGenerator
+
+    m, s = next(cases(torch.float16, [2]))
+    want = _rows_per_call(SequenceGenerator([m], D, **KW), m, s)
+    got = _rows_per_call(StreamBeamGenerator([m], D, **KW), m, s)
+    assert want[0] == 12 * KW["beam_size"] and len(set(want)) > 2  # sources finish at different steps
+    assert got == want
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_generator_decodes_models_converted_after_it_was_built(dtype):
     """fairseq-generate converts the models before it builds the generator; Python code may convert

@@ -339,8 +339,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if c.ragged or self.lean_steps:  # caches primed with their encoder keys at admission
             lprobs = self._block_lprobs(c, live)
         else:
-            lprobs, step_attn = self.model.forward_decoder(live.tokens, c.cache.decoder_inputs(live.src),
-                                                           c.cache.states, self.temperature)
+            lprobs, step_attn = self._fairseq_step(c, live)
         if self.lm_model is not None:  # shallow fusion as fairseq does it: the LM reads the whole prefix
             lm_out = self.lm_model(live.tokens)
             lprobs = lprobs + self.lm_weight * self.lm_model.get_normalized_probs(lm_out, log_probs=True)[:, -1, :]
@@ -355,6 +354,24 @@ class StreamBeamGenerator(SequenceGenerator):
             state = c.beams.state if live.idx is None else c.beams.state.index_select(0, live.idx)
             lprobs = self.scorer.score(lprobs, state)
         return lprobs, step_attn
+
+    def _fairseq_step(self, c: BeamCohort, live: LiveRows) -> Tuple[Tensor, Optional[Tensor]]:
+        """fairseq's EnsembleModel.forward_decoder over the live rows. `beam`'s first step runs, as
+        fairseq's generator does, on k copies of each source's row and keeps the first: the
+        encoder-attention keys cached there serve every later step, and GPU kernels are chosen by
+        shape, so in half precision other row counts round them differently from fairseq."""
+        k, tokens = self.beam_size, live.tokens
+        if c.cache.stepped or k == 1 or not self.rank_like_fairseq or self.spec.kind.streaming:
+            return self.model.forward_decoder(tokens, c.cache.decoder_inputs(live.src), c.cache.states,
+                                              self.temperature)
+        n = tokens.size(0)
+        copies = torch.arange(n, device=tokens.device).repeat_interleave(k)
+        lprobs, attn = self.model.forward_decoder(tokens.index_select(0, copies),
+                                                  c.cache.decoder_inputs(live.src.index_select(0, copies)),
+                                                  c.cache.states, self.temperature)
+        first = torch.arange(0, n * k, k, device=tokens.device)
+        c.cache.reorder(first)
+        return lprobs.index_select(0, first), None if attn is None else attn.index_select(0, first)
 
     def _penalties(self, c: BeamCohort, lprobs: Tensor, live: LiveRows) -> Tensor:
         """fairseq's per-step adjustments for a cohort whose rows are all at step `c.steps`."""
