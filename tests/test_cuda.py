@@ -75,6 +75,7 @@ from test_generation_options import (  # noqa: F401
 )
 from test_graph_step import (  # noqa: F401
     test_beam_on_static_steps_equals_fairseq,
+    test_buffers_past_the_memory_budget_leave_the_steps_to_the_eager_path,
     test_deen_tiny_float32_beam_on_static_steps,
     test_var_stream_on_static_steps_equals_var_batch,
 )

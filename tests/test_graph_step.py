@@ -36,12 +36,15 @@ class Replayed(GraphStep):
     """GraphStep with a CUDA graph's hazards played on the CPU (see the module doc); on CUDA, the
     real graphs."""
 
-    def __init__(self, decoder):
-        super().__init__(decoder, on_cpu=True)
+    def __init__(self, decoder, max_bytes=None):
+        super().__init__(decoder, on_cpu=True, max_bytes=max_bytes)
         self.outs: dict = {}
+        self.replays = 0  # graph steps taken
+        self.peak = 0  # the largest buffers' bytes
 
-    def _allocate(self, *args):
-        super()._allocate(*args)
+    def _allocate(self, x, *shape):
+        super()._allocate(x, *shape)
+        self.peak = max(self.peak, self._bytes(x, *shape))
         self.outs.clear()
         b = self.buf
         for t in b.k[0] + b.k[1] + b.v[0] + b.v[1] + b.ck + b.cv + [b.x]:
@@ -65,6 +68,7 @@ class Replayed(GraphStep):
             b.rows[n:nb].random_(0, cached, generator=torch.Generator(b.rows.device).manual_seed(n))
 
     def _run(self, key, fn):
+        self.replays += 1
         if self.buf.x.is_cuda:
             return super()._run(key, fn)
         self.graphs.setdefault(key, None)
@@ -80,12 +84,12 @@ class Replayed(GraphStep):
         return self.outs[key]
 
 
-def with_graph_steps(models, d, **kw):
+def with_graph_steps(models, d, max_bytes=None, **kw):
     """A StreamBeamGenerator whose one-slot steps are graph steps (`Replayed` on the CPU)."""
     gen = StreamBeamGenerator(models, d, **kw)
     assert gen.blocks, "the lean block steps apply to these models"
     for block in gen.blocks:
-        block.graph = Replayed(block.decoder)
+        block.graph = Replayed(block.decoder, max_bytes)
     return gen
 
 
@@ -99,6 +103,21 @@ def test_beam_on_static_steps_equals_fairseq():
     got = gen.generate(MODELS, SAMPLE)
     assert static_shapes(gen) > 0
     assert_same_hypos(fairseq_generate(MODELS, D, SAMPLE, **KW), got, atol=1e-6)
+
+
+def test_buffers_past_the_memory_budget_leave_the_steps_to_the_eager_path():
+    """Buffers that would outgrow `max_bytes` are not allocated: those steps run eagerly, steps
+    whose buffers fit (the first ones, and those after enough sources finished) on static shapes,
+    and beam still equals fairseq's generator."""
+    free = with_graph_steps(MODELS, D, **KW)
+    free.generate(MODELS, SAMPLE)
+    peak = max(block.graph.peak for block in free.blocks)
+    gen = with_graph_steps(MODELS, D, max_bytes=peak // 2, **KW)
+    got = gen.generate(MODELS, SAMPLE)
+    assert_same_hypos(fairseq_generate(MODELS, D, SAMPLE, **KW), got, atol=1e-6)
+    for capped, whole in zip(gen.blocks, free.blocks):
+        assert 0 < capped.graph.replays < whole.graph.replays
+        assert capped.graph.peak <= peak // 2
 
 
 # (live sources, refill eps, order, max wait): cohorts that wait while others step, merge, and

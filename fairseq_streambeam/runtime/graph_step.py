@@ -13,6 +13,7 @@ A graph is captured per bucket and replayed; what changes between steps (the blo
 back-pointers, grid positions, slot index and key mask) is copied into its inputs first. The
 cache's incremental state holds views of the buffers: at the next step of another cache, or of
 one that was cut, they are first copied out (`_release`), so no state sees its slots overwritten.
+Buffers past a memory budget are not allocated: those steps are declined and run eagerly.
 `on_cpu` runs the same static step eagerly on the CPU, where no graph is captured (tests).
 """
 
@@ -38,9 +39,12 @@ class GraphStep:
     """Static-shape one-slot steps of one fairseq transformer decoder whose layers take the lean
     path, with its final layer norm and plain output projections (BlockDecoder.graph)."""
 
-    def __init__(self, decoder, on_cpu: bool = False):
+    def __init__(self, decoder, on_cpu: bool = False, max_bytes: Optional[int] = None):
         self.decoder = decoder
         self.on_cpu = on_cpu
+        # the most the buffers may take (None: on CUDA half the memory free or held by them and the
+        # allocator's cache, else no limit); past it steps are declined (the eager step takes them)
+        self.max_bytes = max_bytes
         self.math: Optional[LayerMath] = None
         self.projection: Optional[SimpleNamespace] = None
         self.captures = 0  # graphs captured over the step's life (on the CPU: new static shapes met)
@@ -92,7 +96,11 @@ class GraphStep:
             self._release()  # also copies out this state's views of the buffers
             pk, pv = self._self_kv(state, "prev_key"), self._self_kv(state, "prev_value")
             if not fits:
-                self._allocate(x, nb, lb, sb, lsb)
+                shape = self._capacity(x, nb, lb, sb, lsb)
+                if self._bytes(x, *shape) > self._budget(x):
+                    self._reset()  # frees the buffers and graphs: wide beams' caches decode eagerly
+                    return None
+                self._allocate(x, *shape)
             self.cur = 0
             for i, (k, v) in enumerate(zip(pk, pv)):
                 self.buf.k[0][i][:k.size(0), :, :length].copy_(k)  # type: ignore[union-attr]
@@ -244,12 +252,33 @@ class GraphStep:
                     buf[name] = t.clone()
             layer.self_attn._set_input_buffer(state, buf)
 
-    def _allocate(self, x: Tensor, nb: int, lb: int, sb: int, lsb: int) -> None:
-        """Buffers at least this large (and as large as the last ones); graphs are captured anew."""
+    def _capacity(self, x: Tensor, nb: int, lb: int, sb: int, lsb: int) -> tuple:
+        """The buffers' shapes for these: at least this large, and as large as the last ones."""
         old = self.buf
         if old is not None and old.x.dtype == x.dtype and old.x.device == x.device:
             nb, lb = max(nb, old.rows.numel()), max(lb, old.mask.size(1))
             sb, lsb = max(sb + 1, old.cmask.size(0)) - 1, max(lsb, old.cmask.size(1))
+        return nb, lb, sb, lsb
+
+    def _bytes(self, x: Tensor, nb: int, lb: int, sb: int, lsb: int) -> int:
+        """What the keys and values of buffers of these shapes take: two self-attention buffers,
+        keys and values, per layer, and the encoder keys and values."""
+        dims = [(layer.self_attn.num_heads * layer.self_attn.head_dim,
+                 layer.encoder_attn.num_heads * layer.encoder_attn.head_dim) for layer in self.decoder.layers]
+        return x.element_size() * sum(4 * nb * lb * d + 2 * (sb + 1) * lsb * c for d, c in dims)
+
+    def _budget(self, x: Tensor) -> float:
+        if self.max_bytes is not None:
+            return self.max_bytes
+        if not x.is_cuda:
+            return float("inf")
+        free, _ = torch.cuda.mem_get_info(x.device)
+        cached = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
+        held = 0 if self.buf is None else self._bytes(self.buf.x, *self._capacity(self.buf.x, 0, 0, 0, 0))
+        return (free + cached + held) / 2
+
+    def _allocate(self, x: Tensor, nb: int, lb: int, sb: int, lsb: int) -> None:
+        """Buffers of these shapes (`_capacity`); graphs are captured anew."""
         dev, dt = x.device, x.dtype
         selfs = [layer.self_attn for layer in self.decoder.layers]
         crosses = [layer.encoder_attn for layer in self.decoder.layers]
