@@ -13,8 +13,8 @@
 #            of --drafter-lines) for --drafter-minutes, then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
 #   compile  the host work per step with --compile (on CUDA: CUDA graphs; scripts/host_step.py),
 #            then --compile against the same decodings without it, in one process each: deen-tiny beam
-#            and var-stream at beam 5 (and ct2 where it runs), gec-tiny IAD at batch 1 and 32
-#            against fairseq greedy; at least 3 repeats, of which the first includes compiling
+#            and var-stream at beam 5 and 50 (and ct2 where it runs), on the CPU also gec-tiny IAD at
+#            batch 1 and 32 against fairseq greedy; at least 5 repeats, the first capturing or compiling
 #   serve    streambeam-serve on deen-tiny, var-stream k=5: continuous batching against static and
 #            single (bench/serve_bench.py) at 1, 8, 32 and 128 clients over --limit lines (single: a
 #            quarter), every answer checked against offline decoding
@@ -230,13 +230,18 @@ stage_bench() {
 }
 
 stage_compile() {
-  local methods="beam,beam+compile,var-stream,var-stream+compile" b
-  local repeats=$(( repeats < 3 ? 3 : repeats ))  # the first compiles: medians of 3 or more are warm
+  local methods="beam,beam+compile,var-stream,var-stream+compile" k n b
+  local repeats=$(( repeats < 5 ? 5 : repeats ))  # the first captures: medians of 5 are warm
   has_ct2 && methods+=",ct2"
   run compile host-step-compile "$python" scripts/host_step.py --device "$device" --compile \
     --rounds "$([ "$tiny" = 1 ] && echo 1 || echo 5)"
-  bench compile deen-compile-k5 --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam 5 \
-    --methods "$methods" --baseline beam --exact-ref beam --limit "$limit"
+  for k in "${beams[@]}"; do  # k = 50 on a fifth of the sentences
+    n=$limit
+    [ "$k" -gt 5 ] && n=$(( limit / 5 > 0 ? limit / 5 : 1 ))
+    bench compile "deen-compile-k$k" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en \
+      --beam "$k" --methods "$methods" --baseline beam --exact-ref beam --limit "$n"
+  done
+  [ "$device" = cuda ] && return 0  # on CUDA --compile leaves aggressive decoding's blocks eager
   for b in "${batches[@]}"; do
     bench compile "gec-compile-b$b" --data "$gec/data-bin" --path "$gec/checkpoint_best.pt" -s src -t trg --beam 1 \
       --batch-size "$b" --methods fairseq-greedy,iad,iad+compile --baseline fairseq-greedy \
