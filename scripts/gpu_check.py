@@ -334,7 +334,8 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
     under torch.profiler the device's busy ms per step (the kernels' time, each kernel once: the ops
     that launch kernels carry their time too), the host's ms per step in synchronizing calls and
     copies, synchronizing calls and copies per step (a copy to the host is one of each), and the top
-    kernels by device time and operators by host time."""
+    kernels by device time and operators by host time. A method named `<decoding>+compile` runs
+    with --compile (on CUDA: its steps replayed as CUDA graphs, captured in the warm-up)."""
     import torch
     from fairseq import utils
     from fairseq.sequence_generator import SequenceGenerator
@@ -379,7 +380,9 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
         if name == "fairseq":
             gen = SequenceGenerator(models, task.target_dictionary, beam_size=beam, max_len_b=200)
         else:
-            gen = StreamBeamGenerator(models, task.target_dictionary, beam_size=beam, decoding=name, max_len_b=200)
+            decoding, _, extra = name.partition("+")
+            gen = StreamBeamGenerator(models, task.target_dictionary, beam_size=beam, decoding=decoding,
+                                      max_len_b=200, compile=extra == "compile")
         decode(gen)  # warm-up: first calls, allocator, cuBLAS handles
         t0 = time.perf_counter()
         steps = max(decode(gen), 1)

@@ -241,7 +241,14 @@ stage_compile() {
     bench compile "deen-compile-k$k" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en \
       --beam "$k" --methods "$methods" --baseline beam --exact-ref beam --limit "$n"
   done
-  [ "$device" = cuda ] && return 0  # on CUDA --compile leaves aggressive decoding's blocks eager
+  if [ "$device" = cuda ]; then  # host against device time with the graphs, where rows are many
+    for k in "${beams[@]}"; do
+      run compile "profile-deen-k$k" "${helper[@]}" profile --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" \
+        -s de -t en --device "$device" --beam "$k" --sources 64 --methods beam,beam+compile,var-stream+compile \
+        --out "$work/profile_deen_k$k.json"
+    done
+    return 0  # on CUDA --compile leaves aggressive decoding's blocks eager
+  fi
   for b in "${batches[@]}"; do
     bench compile "gec-compile-b$b" --data "$gec/data-bin" --path "$gec/checkpoint_best.pt" -s src -t trg --beam 1 \
       --batch-size "$b" --methods fairseq-greedy,iad,iad+compile --baseline fairseq-greedy \
@@ -330,9 +337,12 @@ stage_big() {
     bench big "big-k$k" --data "$bb" --path "$ckpt" -s de -t en --beam "$k" \
       --methods fairseq,beam,var-batch,var-stream --limit "$n"
   done
+  local graphs=""  # fp32 on CUDA: the same with --compile's CUDA graphs
+  [ "$device" = cuda ] && graphs=",beam+compile"
   for p in $half fp32; do  # host against device time per step at 64 sources x beam 5 = 320 rows
     run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
-      --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json"
+      --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json" \
+      --methods "fairseq,beam,var-stream$([ "$p" = fp32 ] && echo "$graphs")"
   done
   if [ "$device" = cuda ]; then
     bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
