@@ -121,6 +121,19 @@ def test_limit_takes_sentences_spread_over_the_set():
     assert _every(100, 5, (50, 100)) == [50, 60, 70, 80, 90]
 
 
+def test_each_method_batches_as_it_would_alone(tiny_run, tmp_path):
+    """Every pass batches by its own method's options (streaming windows or fairseq's batches),
+    whichever method's generator the shared task built last: decoder steps as in a run of its own."""
+    args = ("--beam", "4", "--batch-size", "4", "--limit", "61")
+    alone = {m: _bench(tiny_run, tmp_path, "--methods", m, *args)[0]["decoder_steps"]
+             for m in ("beam", "var-batch", "var-stream")}
+    assert alone["var-stream"] < alone["var-batch"]  # windows refill: the batching shows in the steps
+    for methods in ("beam,var-stream", "fairseq,var-stream,beam,var-batch"):
+        for row in _bench(tiny_run, tmp_path, "--methods", methods, *args):
+            if row["method"] != "fairseq":
+                assert row["decoder_steps"] == alone[row["method"]], (methods, row["method"])
+
+
 def test_warm_up_is_one_batch_for_every_method(tiny_run):
     """The untimed first batch is one batch of sentences also for the streaming methods, whose
     generator would otherwise decode a whole window of batches."""

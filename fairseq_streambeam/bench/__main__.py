@@ -315,8 +315,9 @@ def run_variant(task, models, v: Variant, settings: dict, ts, bar, use_cuda: boo
 
     spec = variant_spec(v, settings, lmbr_file)
     gen = gens.get(v.name) if gens is not None else None
-    if spec.decoding == "fairseq":  # fairseq's own generator; the bench scores each source's best (nbest 1)
-        task.spec = spec
+    # the task batches by its spec (streaming windows, the candidate budget): this variant's on
+    # every pass, not that of the last generator built (generators are kept across passes)
+    task.spec = spec
     if gen is None and spec.decoding == "fairseq":
         args = argparse.Namespace(beam=v.beam or settings["beam"], lenpen=settings["lenpen"], max_len_a=0,
                                   max_len_b=settings["max_len_b"], min_len=1, unkpen=0, temperature=1.0, nbest=1,
