@@ -176,6 +176,17 @@ def test_configs_and_sweeps_expand():
         parse_methods("beam,nope")
 
 
+def test_a_config_naming_two_variants_alike_is_refused(tmp_path):
+    """A method's name keys its generator: a second variant of that name would be decoded by the
+    first one's generator, and its times merged into that row."""
+    from fairseq_streambeam.bench.__main__ import parse_args, resolve
+
+    cfg = tmp_path / "twice.json"
+    cfg.write_text('{"variants": ["beam", {"name": "beam", "decoding": "greedy"}]}')
+    with pytest.raises(UsageError, match="^methods named more than once: beam "):
+        resolve(parse_args(["--data", "d", "--path", "p", "-s", "src", "-t", "tgt", "--config", str(cfg)]))
+
+
 def test_sweep_config_runs(tiny_run, tmp_path):
     cfg = tmp_path / "sweep.json"
     cfg.write_text(json.dumps({"beam": 3, "batch_size": 4, "baseline": "var-batch", "exact_ref": "var-batch",
@@ -296,6 +307,7 @@ def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decodi
     (["-t", "fr"], "--data {data}: no dict.fr.txt there"),
     (["--methods", "gad"], "the gad methods need --drafter"),
     (["--gen-subset", "nosuch"], "--gen-subset nosuch: Dataset not found"),
+    (["--methods", "beam,greedy,beam"], "methods named more than once: beam"),
 ])
 def test_usage_mistakes_are_one_line(tiny_run, tmp_path, extra, message):
     """Each was a traceback (ValueError, FileNotFoundError, OSError from fairseq's loader)."""

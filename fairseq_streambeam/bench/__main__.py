@@ -104,6 +104,10 @@ def resolve(args):
             variants = parse_methods(settings["methods"])
         except ValueError as e:
             raise UsageError(f"--methods: {e}") from None
+    names = [v.name for v in variants]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a method's name keys its generator and its row
+        raise UsageError(f"methods named more than once: {', '.join(twice)} (give each variant its own name)")
     return settings, variants
 
 
