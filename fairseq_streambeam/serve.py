@@ -599,10 +599,8 @@ async def serve(args: argparse.Namespace, model, ready=None) -> None:
     `ready(port)` is called once the socket listens."""
     from aiohttp import web
 
-    from .runtime.scheduler import Budget
-
     spec = from_cli(args, args)
-    model.task.budget = Budget(args.batch_size, args.max_tokens, spec.stream_candidates)
+    model.task.limits = (args.batch_size, args.max_tokens)
     loop = DecodeLoop(model, spec, args.batching, args.batch_wait_ms / 1000, args.max_lanes)
     loop.lane_for(spec)
     loop.thread.start()

@@ -96,7 +96,7 @@ class StreamBeamTranslationTask(TranslationTask):
         # before a model loads; the generation options come with build_generator
         self.spec: DecodeSpec = from_cli(cfg)
         check_files(self.spec)
-        self.budget: Budget | None = None
+        self.limits: tuple | None = None  # (sources, source tokens) a batch holds: get_batch_iterator's
         self._drafters: dict = {}  # (path, device, dtype) -> block_drafter; ("lookup", path, order) -> NgramTable
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
@@ -112,7 +112,7 @@ class StreamBeamTranslationTask(TranslationTask):
         problem = batching_problem(dataset, max_tokens, max_positions, ignore_invalid_inputs)
         if problem:
             raise UsageError(problem)
-        self.budget = Budget(max_sentences, max_tokens, self.spec.stream_candidates)
+        self.limits = (max_sentences, max_tokens)
         if self.spec.kind.streaming and kwargs.get("num_shards", 1) == 1:
             w = self.spec.stream_window
             max_tokens = None if max_tokens is None else max_tokens * w
@@ -145,12 +145,22 @@ class StreamBeamTranslationTask(TranslationTask):
         self.spec = spec
         d = self.target_dictionary
         if spec.kind.family == "draft":
-            gen = AggressiveGenerator(models, d, spec, drafter or self._drafter(spec, models[0]), self.budget)
+            gen = AggressiveGenerator(models, d, spec, drafter or self._drafter(spec, models[0]), self.budget_for(spec))
         else:
-            gen = StreamBeamGenerator(models, d, spec, self._scorers(spec, len(models)), self.budget, lm_model)
+            gen = StreamBeamGenerator(models, d, spec, self._scorers(spec, len(models)), self.budget_for(spec),
+                                      lm_model)
         if report_at_exit:
             _report_at_exit(gen, spec.decoding)
         return gen
+
+    def budget_for(self, spec: DecodeSpec) -> Budget | None:
+        """The live budget of `spec`'s generator: the batching's sources and tokens (None before
+        any), the spec's own candidate budget (generators of other specs may share this task)."""
+        return None if self.limits is None else Budget(*self.limits, spec.stream_candidates)
+
+    @property
+    def budget(self) -> Budget | None:
+        return self.budget_for(self.spec)
 
     def _drafter(self, spec: DecodeSpec, model):
         src_d, tgt_d = self.source_dictionary, self.target_dictionary
@@ -202,8 +212,8 @@ class StreamBeamTranslationTask(TranslationTask):
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
         ours = isinstance(generator, (StreamBeamGenerator, AggressiveGenerator))
-        if ours and self.budget is not None:
-            generator.scheduler.budget = self.budget  # live budget = this run's --batch-size/--max-tokens
+        if ours and self.limits is not None:  # live budget: this run's --batch-size/--max-tokens, the generator's C
+            generator.scheduler.budget = self.budget_for(generator.spec)
         t = time.perf_counter()
         out = super().inference_step(generator, models, sample, prefix_tokens=prefix_tokens, constraints=constraints)
         counters = getattr(generator, "counters", None)

@@ -326,3 +326,31 @@ def test_an_option_a_decoding_refuses_is_one_line_from_the_command(tiny_run, tmp
                  "--beam", "0"], cwd=REPO)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == "python -m fairseq_streambeam.bench: error: --beam must be >= 1, got 0"
+
+
+def test_generators_sharing_a_task_keep_their_own_candidate_budget():
+    """The task's batching gives the live sources and tokens; each generator keeps the candidate
+    budget of its own spec, whichever spec the task batched by or built last."""
+    import torch
+    from fairseq.data import LanguagePairDataset
+    from helpers import make_dict, random_transformer
+
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.runtime.scheduler import Budget
+    from fairseq_streambeam.spec import DecodeSpec
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    d = make_dict(20)
+    src = [torch.tensor([5] * (1 + i % 9) + [d.eos()]) for i in range(12)]
+    ds = LanguagePairDataset(src, [len(s) for s in src], d)
+    task = StreamBeamTranslationTask(StreamBeamConfig(train_subset="train", decoding="var-stream"), d, d)
+    models = [random_transformer(d, 1)]
+    sample = next(iter(task.get_batch_iterator(ds, max_sentences=6, disable_iterator_cache=True)
+                       .next_epoch_itr(shuffle=False)))
+    budgeted = task.generator_for(models, DecodeSpec(decoding="var-stream", beam_size=3, stream_candidates=40),
+                                  report_at_exit=False)
+    plain = task.generator_for(models, DecodeSpec(decoding="var-stream", beam_size=3), report_at_exit=False)
+    assert budgeted.scheduler.budget == Budget(6, None, 40)  # built after the batching
+    for gen, c in ((budgeted, 40), (plain, None), (budgeted, 40)):
+        task.inference_step(gen, models, sample)
+        assert gen.scheduler.budget == Budget(6, None, c)
