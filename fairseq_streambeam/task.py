@@ -170,11 +170,11 @@ class StreamBeamTranslationTask(TranslationTask):
             return InputCopyDrafter(spec.iad_ngram, spec.block_size, vocab_map=vocab_map)
         if spec.drafter:  # loaded once per task (a bench must not time it), on the verifier's device and dtype
             p = next(model.parameters())
-            key = (spec.drafter, p.device, p.dtype)
+            key = (*_file_key(spec.drafter), p.device, p.dtype)
             if key not in self._drafters:
                 self._drafters[key] = load_drafter(spec.drafter, self, like=model)
             return ModelDrafter(self._drafters[key], tgt_d, spec.block_size)
-        key = ("lookup", spec.draft_lookup, spec.draft_lookup_order)  # built once per task (a bench repeats)
+        key = ("lookup", *_file_key(spec.draft_lookup), spec.draft_lookup_order)  # once per task and file version
         if key not in self._drafters:
             try:  # the file's or the order's mistakes are the user's: one line
                 self._drafters[key] = NgramTable.from_file(spec.draft_lookup, tgt_d, spec.draft_lookup_order)
@@ -188,8 +188,7 @@ class StreamBeamTranslationTask(TranslationTask):
     def lmbr_posteriors(self, path: str) -> dict:
         """The posteriors of `path`, parsed once per task while the file stays the same (a benchmark
         builds a generator per repeat and must not time the parsing; the tuner rewrites its file)."""
-        st = os.stat(path)
-        key = (path, st.st_mtime_ns, st.st_size)
+        key = _file_key(path)
         if self._lmbr_loaded is None or self._lmbr_loaded[:3] != key:
             self._lmbr_loaded = (*key, load_posteriors(path, len(self.target_dictionary)))
         return self._lmbr_loaded[3]
@@ -221,6 +220,12 @@ class StreamBeamTranslationTask(TranslationTask):
             counters.sentences += len(out)
             counters.total_seconds += time.perf_counter() - t
         return out
+
+
+def _file_key(path: str) -> tuple:
+    """A file as it is now, for caches of what is read from it: a rewritten file is read again."""
+    st = os.stat(path)
+    return path, st.st_mtime_ns, st.st_size
 
 
 def _quiet_pin_memory_warning() -> None:

@@ -145,3 +145,24 @@ def test_lookup_table_mistakes_are_one_line(tiny_run, tmp_path, content, extra, 
     errors = [x for x in r.stderr.splitlines() if "error:" in x]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(errors) == 1 and f"--draft-lookup {table}: " in errors[0] and message in errors[0], r.stderr[-2000:]
+
+
+def test_a_rewritten_lookup_file_is_read_again(tmp_path):
+    """The task reads a lookup table once per file version: a generator built after the file was
+    rewritten drafts from the new text, not from the table the task read before."""
+    import os
+
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.spec import DecodeSpec
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    task = StreamBeamTranslationTask(StreamBeamConfig(train_subset="train"), D, D)
+    text = tmp_path / "lookup.txt"
+    text.write_text("w3 w4\n")
+    spec = DecodeSpec(decoding="gad", draft_lookup=str(text))
+    first = task.generator_for([random_transformer(D, 1)], spec, report_at_exit=False).drafter.table
+    assert task.generator_for([random_transformer(D, 1)], spec, report_at_exit=False).drafter.table is first
+    text.write_text("w3 w4\nw5 w6 w7\nw8 w9\n")
+    os.utime(text, ns=(1, 1))  # another version even within the file system's time resolution
+    second = task.generator_for([random_transformer(D, 1)], spec, report_at_exit=False).drafter.table
+    assert second is not first and len(second.keys[0]) > len(first.keys[0])  # more one-token contexts
