@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ class StreamBeamTranslationTask(TranslationTask):
                                           extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                           prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
             gen.counters = Counters()  # fairseq's generator counts nothing: inference_step counts for it
-            _report_at_exit(gen, "fairseq")
+            self._report_at_exit(gen, "fairseq")
             return gen
         if seq_gen_cls is not None:
             raise UsageError(f"--decoding {spec.decoding} builds its own generator (seq_gen_cls: --decoding fairseq)")
@@ -150,8 +151,17 @@ class StreamBeamTranslationTask(TranslationTask):
             gen = StreamBeamGenerator(models, d, spec, self._scorers(spec, len(models)), self.budget_for(spec),
                                       lm_model)
         if report_at_exit:
-            _report_at_exit(gen, spec.decoding)
+            self._report_at_exit(gen, spec.decoding)
         return gen
+
+    _run_report: RunReport | None = None
+
+    def _report_at_exit(self, gen, name: str) -> None:
+        """Log `gen`'s counters (decoder steps, expansions per step, time split), with those of the
+        task's other generators of its decoding, when the process ends."""
+        if self._run_report is None:
+            self._run_report = RunReport()
+        self._run_report.add(gen, name)
 
     def budget_for(self, spec: DecodeSpec) -> Budget | None:
         """The live budget of `spec`'s generator: the batching's sources and tokens (None before
@@ -237,18 +247,37 @@ def _quiet_pin_memory_warning() -> None:
         warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true", category=UserWarning)
 
 
-def _report_at_exit(gen, name: str) -> None:
-    """Log the run's counters (decoder steps, expansions per step, time split) when the process
-    ends; only the counters are kept alive, not the generator and its models."""
-    counters = gen.counters
+class RunReport:
+    """The counters of the generators a task builds, logged once per decoding when the process
+    ends (one hook per task, however many generators: the hub builds one per `translate` call). A
+    generator's counts are folded in when it is collected, so no generator or model is kept."""
 
-    def report() -> None:
+    def __init__(self):
+        self.done: dict = {}  # decoding -> Counters of collected generators
+        self.live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # generator -> decoding
+        atexit.register(self.report)
+
+    def add(self, gen, name: str) -> None:
+        self.live[gen] = name
+        weakref.finalize(gen, self._fold, name, gen.counters).atexit = False  # the report counts live ones
+
+    def _fold(self, name: str, counters: Counters) -> None:
+        self.done.setdefault(name, Counters()).add(counters)
+
+    def totals(self) -> dict:
+        out = {name: Counters().add(c) for name, c in self.done.items()}
+        for gen, name in list(self.live.items()):
+            out.setdefault(name, Counters()).add(gen.counters)
+        return out
+
+    def report(self) -> None:
         # under a test runner the logging streams may already be closed at exit
         streams = [getattr(h, "stream", None) for h in logging.getLogger().handlers + logger.handlers]
-        if counters.sentences and not any(getattr(st, "closed", False) for st in streams):
-            logger.info("streambeam %s: %s", name, counters.summary())
-
-    atexit.register(report)
+        if any(getattr(st, "closed", False) for st in streams):
+            return
+        for name, counters in self.totals().items():
+            if counters.sentences:
+                logger.info("streambeam %s: %s", name, counters.summary())
 
 
 def attach_to_hub(hub, **options):

@@ -125,6 +125,30 @@ def test_hub_interface(tiny_run):
     assert len(out) == 4 and all(isinstance(x, str) for x in out)
 
 
+def test_hub_translate_calls_share_one_counters_report(tiny_run, monkeypatch):
+    """Each `translate` builds a generator: the task logs them at exit as one line per decoding,
+    with the counts of generators already collected, and keeps none of them alive."""
+    import atexit
+    import gc
+
+    from fairseq.models.transformer import TransformerModel
+
+    from fairseq_streambeam import attach_to_hub
+
+    hooks = []
+    monkeypatch.setattr(atexit, "register", lambda f, *a, **k: hooks.append(f))
+    data, ckpt = tiny_run
+    hub = attach_to_hub(TransformerModel.from_pretrained(str(ckpt.parent), ckpt.name, data_name_or_path=str(data),
+                                                         source_lang="src", target_lang="tgt"), decoding="var-stream")
+    for _ in range(3):
+        hub.translate(["w1 w2 w3", "w4"], beam=4)
+    gc.collect()
+    report = hub.task._run_report
+    assert hooks == [report.report] and len(report.live) <= 1  # one hook; spent generators are not kept
+    totals = report.totals()
+    assert list(totals) == ["var-stream"] and totals["var-stream"].sentences == 6
+
+
 def test_hub_reattached_starts_from_the_plugin_defaults(tiny_run, tmp_path):
     """Each attach_to_hub is a new command line: an option of the previous decoding (gad's lookup
     table, var-stream's threshold) does not stay behind and get refused by the next."""
