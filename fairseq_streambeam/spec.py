@@ -286,6 +286,13 @@ def from_cli(cfg: Any, gen: Any = None, extra: Optional[dict] = None, prefix_fn:
     extra = extra or {}
     prefix_fn = prefix_fn if prefix_fn is not None else getattr(gen, "prefix_allowed_tokens_fn", None)
     plugin = {n: _value(getattr(cfg, n, _DEFAULTS[n])) for n in PLUGIN_OPTIONS}
+    # the plugin's options are the task's: given with the generation options (the hub's translate()
+    # and generate() pass their keywords there) and unlike the task's, they would be ignored
+    moved = [n for n in PLUGIN_OPTIONS if gen is not None and gen is not cfg and getattr(gen, n, None) is not None
+             and _value(getattr(gen, n)) != plugin[n]]
+    if moved:
+        raise UsageError(f"{', '.join(f'{n}={getattr(gen, n)!r}' for n in moved)}: the plugin's options are the "
+                         "task's; with the hub interface give them to attach_to_hub(hub, ...)")
     decoding = plugin["decoding"]
     if gen is None or not hasattr(gen, "beam"):  # e.g. fairseq-train with the task: no generation options
         spec = DecodeSpec(**plugin, beam_size=max(5, plugin["finish_count"] or 1))

@@ -125,6 +125,22 @@ def test_hub_interface(tiny_run):
     assert len(out) == 4 and all(isinstance(x, str) for x in out)
 
 
+def test_hub_refuses_plugin_options_given_to_translate(tiny_run):
+    """fairseq's hub passes translate()'s keywords as generation options; the plugin's options are
+    the task's (attach_to_hub), so a different value there would be ignored: it is refused."""
+    from fairseq.models.transformer import TransformerModel
+
+    from fairseq_streambeam import attach_to_hub
+    from fairseq_streambeam.spec import UsageError
+
+    data, ckpt = tiny_run
+    hub = attach_to_hub(TransformerModel.from_pretrained(str(ckpt.parent), ckpt.name, data_name_or_path=str(data),
+                                                         source_lang="src", target_lang="tgt"), decoding="var-stream")
+    with pytest.raises(UsageError, match=r"^decoding='greedy', finish_count=1: the plugin's options are the task's"):
+        hub.translate(["w1 w2"], beam=4, decoding="greedy", finish_count=1)
+    assert hub.translate(["w1 w2"], beam=4, decoding="var-stream") == hub.translate(["w1 w2"], beam=4)
+
+
 def test_hub_translate_calls_share_one_counters_report(tiny_run, monkeypatch):
     """Each `translate` builds a generator: the task logs them at exit as one line per decoding,
     with the counts of generators already collected, and keeps none of them alive."""
