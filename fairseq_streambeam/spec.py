@@ -176,6 +176,9 @@ class DecodeSpec:
             raise UsageError("--draft-lookup-order needs --draft-lookup")
         if self.gad_tau != _DEFAULTS["gad_tau"] and self.gad_beta == 1:
             raise UsageError("--gad-tau applies to GAD++ (--gad-beta above 1)")
+        if self.gad_beta > 1 and self.draft_min_reach:
+            raise UsageError("--draft-min-reach caps drafts by what earlier passes accepted, and GAD++'s output "
+                             "depends on its drafts: it would depend on what was decoded before (use --block-size)")
         if self.max_len_a == 0 and not self.match_source_len and self.min_len > self.max_len_b:
             raise UsageError(f"--min-len {self.min_len} exceeds the maximum length {self.max_len_b} (--max-len-b)")
 
@@ -217,7 +220,11 @@ class DecodeSpec:
 
     @property
     def min_reach(self) -> float:
-        return AUTO_MIN_REACH.get(self.decoding, 0.0) if self.draft_min_reach is None else self.draft_min_reach
+        """The draft cap's reach (runtime.draft_budget); none for GAD++, whose output depends on
+        its drafts and so would depend on what the generator decoded before."""
+        if self.draft_min_reach is not None:
+            return self.draft_min_reach
+        return 0.0 if self.gad_beta > 1 else AUTO_MIN_REACH.get(self.decoding, 0.0)
 
     @property
     def switches_drafting(self) -> bool:

@@ -34,6 +34,7 @@ from fairseq_streambeam.models.block_drafter import training_blocks
 from fairseq_streambeam.runtime.draft_budget import DraftSwitch
 from fairseq_streambeam.runtime.kv_cache import KVCache
 from fairseq_streambeam.runtime.scheduler import Budget
+from fairseq_streambeam.spec import UsageError
 
 D = make_dict(30)
 PLUGIN = str(REPO / "fairseq_streambeam")  # --user-dir, whatever the working directory
@@ -173,6 +174,22 @@ def test_gad_plus_plus_runs_and_accepts_more():
     assert gen.counters.accepted_per_pass > strict  # accepts every draft token: k + 1 per pass when not ending
     for h in hyps:
         assert h[0]["tokens"][-1] == D.eos() and len(h[0]["tokens"]) <= 12 + 10 + 1
+
+
+def test_gad_plus_plus_output_does_not_depend_on_earlier_calls():
+    """GAD++ accepts drafts that are not greedy's, so which drafts it verifies shapes its output: it
+    takes no draft cap learned from earlier passes (--draft-min-reach), and a generator that decoded
+    other sources before gives what a fresh one gives."""
+    m = random_transformer(D, 70).double()
+    dr = random_drafter(D, 71, k=6).double()
+    first, second = make_sample(D, random_sentences(D, 12, 72)), make_sample(D, random_sentences(D, 12, 73))
+    kw = dict(k=6, n=3, max_len_b=15, gad_beta=3, gad_tau=2.0)
+    fresh = gad([m], second, dr, **kw)[0]
+    gen = gad([m], first, dr, **kw)[1]
+    assert gen.draft_budget.min_reach == 0.0
+    assert_same_hypos(fresh, gen.generate([m], second))
+    with pytest.raises(UsageError, match="^--draft-min-reach caps drafts by what earlier passes accepted"):
+        gad([m], second, dr, draft_min_reach=0.25, **kw)
 
 
 def test_drafts_never_run_past_max_len():
@@ -518,8 +535,6 @@ def test_gad_plus_plus_never_switches_drafting_off():
 def test_gad_without_a_drafter_object_is_refused():
     """A generator built directly cannot read --drafter/--draft-lookup files (the task does): gad
     without `drafter=` is refused, not decoded with IAD's input copy."""
-    from fairseq_streambeam.spec import UsageError
-
     m = random_transformer(D, 95)
     for kw in ({}, {"draft_lookup": "targets.txt"}):
         with pytest.raises(UsageError, match="needs drafter="):

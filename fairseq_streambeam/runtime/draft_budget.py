@@ -4,8 +4,9 @@ Every verified draft slot costs decoder work whether or not it is accepted; on h
 pass costs in proportion to its slots (CPUs, or large batches anywhere) verifying drafts that are
 rarely reached is waste. `DraftBudget` counts, for each draft position j, how often it was reached
 (all earlier drafts accepted) and accepted, and caps drafts at the last position whose estimated
-chance of being reached is at least `min_reach`. Capping drafts never changes the output (the
-verifier adds its own token after the last accepted draft), only the number of passes and slots.
+chance of being reached is at least `min_reach`. Under top-1 verification capping drafts never
+changes the output (the verifier adds its own token after the last accepted draft), only the
+number of passes and slots; GAD++'s output depends on its drafts, so it takes no cap (spec.py).
 """
 
 from __future__ import annotations
