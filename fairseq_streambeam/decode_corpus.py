@@ -55,10 +55,16 @@ def check_args(args) -> None:
         raise UsageError(f"--output-dir {args.output_dir}: not a directory")
     worker_identity()
     worker_gpu(1)  # LOCAL_RANK's form, before anything loads
+    shards = os.path.join(args.output_dir, "shards")
+    missing, d = [], shards  # the folders this command makes, deepest first
+    while d and not os.path.isdir(d):
+        missing.append(d)
+        d = os.path.dirname(d)
     try:  # the last check: a folder is made only for a command that passed the others
-        os.makedirs(os.path.join(args.output_dir, "shards"), exist_ok=True)
+        os.makedirs(shards, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--output-dir {args.output_dir}: cannot create it ({e.strerror})") from None
+    args._made = missing  # removed again, if still empty, when a usage mistake is found later (main)
 
 
 def parse_args(argv=None):
@@ -127,7 +133,7 @@ _NOT_IN_KEY = ("output_dir", "quiet", "threads", "input", "shard_lines")
 def run_key(args) -> str:
     """What every shard's output depends on beside its lines: the options, the checkpoints and the
     files keyed by line (path, size, modification time)."""
-    options = {k: v for k, v in vars(args).items() if k not in _NOT_IN_KEY}
+    options = {k: v for k, v in vars(args).items() if k not in _NOT_IN_KEY and not k.startswith("_")}
     files = [*args.path.split(":"), *_id_keyed(args)]
     checkpoints = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files]
     return json.dumps([options, checkpoints], sort_keys=True, default=str)
@@ -322,6 +328,11 @@ def main(argv=None) -> int:
         return decode(args)
     except UsageError as e:  # found while decoding, e.g. --min-len above a line's length limit
         print(f"streambeam-decode-corpus: error: {e}", file=sys.stderr)
+        for path in getattr(args, "_made", []):  # the folders this command made, deepest first, if still empty
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
         return 2
 
 
@@ -332,7 +343,7 @@ def decode(args) -> int:
     shard_dir = out_dir / "shards"  # made by check_args
     lines, files = read_lines(args.input)
     ranges = shard_ranges(len(lines), args.shard_lines)
-    options = {k: v for k, v in vars(args).items() if k not in ("output_dir", "quiet")}
+    options = {k: v for k, v in vars(args).items() if k not in ("output_dir", "quiet") and not k.startswith("_")}
     rank, world = worker_identity()
     dist = _init_distributed(world)
     run = run_key(args)

@@ -261,9 +261,13 @@ def test_mistakes_found_late_are_one_line_too(tiny_run, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and "--output-dir" in err[0] and "not a directory" in err[0]
     short = ["--max-len-a", "1", "--max-len-b", "0", "--min-len", "4"]
-    rc = decode_main([*_tiny_args(tiny_run, tmp_path / "out"), *short])
+    rc = decode_main([*_tiny_args(tiny_run, tmp_path / "new" / "out"), *short])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("streambeam-decode-corpus: error: --min-len 4 exceeds"), err[-3:]
+    assert not (tmp_path / "new").exists()  # the folders it made, still empty, are removed
+    (tmp_path / "kept").mkdir()
+    assert decode_main([*_tiny_args(tiny_run, tmp_path / "kept"), *short]) == 2
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "shards").exists()  # the user's folder stays
 
 
 @pytest.mark.parametrize("env,expected", [
