@@ -9,6 +9,7 @@ import torch
 from fairseq import checkpoint_utils, utils
 
 from .options import StreamBeamConfig
+from .spec import UsageError
 from .task import StreamBeamTranslationTask
 
 
@@ -36,5 +37,5 @@ def load_models(task: StreamBeamTranslationTask, path: str, cuda: bool = False, 
 def wants_cuda(device: str) -> bool:
     """--device auto|cuda|cpu as a yes/no; asking for CUDA without a GPU is a one-line error."""
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+        raise UsageError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())

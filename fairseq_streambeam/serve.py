@@ -656,7 +656,7 @@ def main(argv=None) -> int:
 
     try:
         cuda = wants_cuda(args.device)
-    except SystemExit as e:
+    except UsageError as e:
         print(f"streambeam-serve: error: {e}", file=sys.stderr)
         return 2
     try:

@@ -308,6 +308,11 @@ def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decodi
     (["--methods", "gad"], "the gad methods need --drafter"),
     (["--gen-subset", "nosuch"], "--gen-subset nosuch: Dataset not found"),
     (["--methods", "beam,greedy,beam"], "methods named more than once: beam"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--methods", "var-stream", "--refill-eps", "2"], "--refill-eps must be in [0, 1], got 2.0 (method var-stream)"),
+    (["--methods", "var-stream+lmbr", "--lmbr-posteriors", "{tmp}/none.jsonl"], "--lmbr-posteriors {tmp}/none.jsonl"),
+    (["--out", "{tmp}/bad.json"], "--out {tmp}/bad.json: not a directory"),
 ])
 def test_usage_mistakes_are_one_line(tiny_run, tmp_path, extra, message):
     """Each was a traceback (ValueError, FileNotFoundError, OSError from fairseq's loader)."""
@@ -325,7 +330,8 @@ def test_an_option_a_decoding_refuses_is_one_line_from_the_command(tiny_run, tmp
                  "-s", "src", "-t", "tgt", "--out", str(tmp_path), "--quiet", "--limit", "2", "--methods", "beam",
                  "--beam", "0"], cwd=REPO)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1] == "python -m fairseq_streambeam.bench: error: --beam must be >= 1, got 0"
+    assert r.stderr.strip().splitlines()[-1] == ("python -m fairseq_streambeam.bench: error: --beam must be >= 1, "
+                                                 "got 0 (method beam)")
 
 
 def test_generators_sharing_a_task_keep_their_own_candidate_budget():

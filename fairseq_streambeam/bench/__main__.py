@@ -22,7 +22,8 @@ import torch
 from fairseq import utils
 from tqdm import tqdm
 
-from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, model_files_problem
+from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, check_files, model_files_problem
+from ..textio import file_problem
 from .data import CorpusOrder, Head, add_input_args, from_data_bin, from_raw
 from .memory import PeakMemory
 from .report import markdown_table, write_plots
@@ -113,6 +114,9 @@ def resolve(args):
 
 def _usage_problem(args, settings: dict, variants) -> Optional[str]:
     """The first mistake in the options that can be found before anything loads (None: none)."""
+    for name, least in (("threads", 1), ("repeats", 1), ("limit", 0)):
+        if settings[name] < least:
+            return f"--{name} must be >= {least}, got {settings[name]}"
     if any(v.decoding == "gad" and not v.lookup for v in variants) and not settings["drafter"]:
         return "the gad methods need --drafter (a block_drafter checkpoint; scripts/train_drafter.sh)"
     if any(v.lookup for v in variants) and not settings["draft_lookup"]:
@@ -124,12 +128,27 @@ def _usage_problem(args, settings: dict, variants) -> Optional[str]:
         return "--corpus-order with ct2 needs --batch-size"
     if args.src and not args.ref:
         return "--src needs --ref"
+    for flag_, path in (("--lmbr-posteriors", args.lmbr_posteriors), ("--src", args.src), ("--ref", args.ref)):
+        problem = file_problem(flag_, path) if path else None
+        if problem:
+            return problem
+    for v in variants:  # each variant's spec: the ranges, combinations and files every front end checks
+        if v.decoding != "ct2":
+            try:
+                check_files(variant_spec(v, settings, args.lmbr_posteriors if v.lmbr else None))
+            except UsageError as e:
+                return f"{e} (method {v.name})"
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out}: not a directory"
     return model_files_problem(args.data, (args.source_lang, args.target_lang), args.path)
 
 
 def main(argv=None):
     args = parse_args(argv)
     settings, variants = resolve(args)
+    problem = _usage_problem(args, settings, variants)
+    if problem:
+        raise UsageError(problem)
     threads = settings["threads"]
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
@@ -137,12 +156,12 @@ def main(argv=None):
 
     from fairseq_streambeam.loader import load_models, load_task, wants_cuda
 
-    problem = _usage_problem(args, settings, variants)
-    if problem:
-        raise UsageError(problem)
     use_cuda = wants_cuda(args.device)
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot create it ({e.strerror})") from None
     print(f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
           f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
           f"{'cuda' if use_cuda else 'cpu'}{' | fp16' if settings['fp16'] else ''}", flush=True)
