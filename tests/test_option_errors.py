@@ -53,6 +53,8 @@ CASES = [
     (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "applies to the beam decodings, not --decoding iad"),
     (["--decoding", "beam", "--beam", "0"], "--beam must be >= 1, got 0"),
     (["--decoding", "iad", "--beam", "0"], "--beam must be >= 1, got 0"),
+    (["--decoding", "beam", "--lenpen", "nan"], "--lenpen must be a number, got nan"),
+    (["--decoding", "var-stream", "--unkpen", "nan"], "--unkpen must be a number, got nan"),
     (["--decoding", "beam", "--stream-order", "continuous"], "--stream-order applies to var-stream and fixed-stream"),
     (["--decoding", "iad", "--stream-admit", "longest-first"], "--stream-admit applies to var-stream and fixed-stream"),
     (["--decoding", "iad", "--max-wait-steps", "3"], "--max-wait-steps applies to var-stream and fixed-stream"),
