@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .spec import DECODINGS, PAPER_DELTA, PAPER_M, UsageError
+from .spec import DECODINGS, PAPER_DELTA, PAPER_M, DecodeSpec, UsageError
 
 Prune = Tuple[float, int, int]  # (delta, M, finish count)
 # evidence options beside the files that change its posteriors (n-gram order, how raw text is segmented)
@@ -265,6 +265,13 @@ def check_args(a: argparse.Namespace) -> None:
             raise CalibrationError(f"{name}: {bad[0]:g} is out of range")
     if a.tolerance < 0:
         raise CalibrationError(f"--tolerance must be >= 0, got {a.tolerance:g}")
+    starts = {} if not a.lmbr_start else dict(zip(("alpha", "lmbr_lambda", "lmbr_theta0"), a.lmbr_start))
+    for theta0 in [*a.theta0s, starts.get("lmbr_theta0", 0.0)]:  # the settings' ranges, as every front end's
+        DecodeSpec(decoding=a.decoding, beam_size=a.beam, len_penalty=a.lenpen, max_len_b=a.max_len_b,
+                   lmbr_p=a.lmbr_p, lmbr_r=a.lmbr_r, lmbr_theta0=theta0, lmbr_lambda=starts.get("lmbr_lambda", 1.0),
+                   lmbr_posteriors="-")
+    if starts.get("alpha", 0.0) < 0:
+        raise CalibrationError(f"--lmbr-start: alpha must be >= 0, got {starts['alpha']:g}")
     for name in ("threads", "limit", "test_limit", "batch_size", "max_tokens", "rounds"):
         value, least = getattr(a, name), 0 if name in ("limit", "test_limit") else 1
         if value is not None and value < least:

@@ -222,6 +222,11 @@ def test_a_gap_of_exactly_the_tolerance_is_on_target(tiny_run, tmp_path, monkeyp
     (["--test-range", "30:61"], "--test-range 30:61 overlaps the dev lines (--range all)"),
     (["--deltas", "0", "1"], "--deltas: 0 is out of range"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--lmbr-p", "0"], "--lmbr-p must be in (0, 1], got 0.0"),
+    (["--theta0s", "0", "inf"], "--lmbr-theta0 must be a finite number, got inf"),
+    (["--lmbr-start", "1", "-1", "0"], "--lmbr-lambda must be > 0, got -1.0"),
+    (["--max-len-b", "-5"], "--max-len-b must be >= 0, got -5"),
+    (["--lenpen", "nan"], "--lenpen must be a number, got nan"),
     (["--limit", "-5"], "--limit must be >= 0, got -5"),
     (["-s", "xx"], "no dict.xx.txt there"),
     (["--out", "{tmp}/bad.nbest"], "bad.nbest: not a directory"),
@@ -243,3 +248,5 @@ def test_bad_input_is_one_line_with_status_2(tiny_run, tmp_path, extra, message)
     errors = [x for x in r.stderr.splitlines() if "error" in x]
     assert "Traceback" not in r.stderr and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
     assert not (tmp_path / "out" / "best.args").exists()
+    if extra[0] in ("--lmbr-p", "--theta0s", "--lmbr-start", "--max-len-b", "--lenpen"):
+        assert not (tmp_path / "out").exists()  # found before anything loads or is written
