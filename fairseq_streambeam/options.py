@@ -14,6 +14,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
 from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, from_cli, model_files_problem
+from .textio import bpe_problem
 
 DECODING_CHOICES = ChoiceEnum(list(DECODINGS))
 ORDER_CHOICES = ChoiceEnum([o for o in ORDERS if o != "fifo"])  # fifo (paper A.2): a bench variant
@@ -138,8 +139,8 @@ def refuse_id_keyed_files(spec) -> None:
 def check_at_parse_time(parser) -> None:
     """Make fairseq's `parser` (with the task's options) build the decoding spec right after parsing
     and report a bad option in one line with exit status 2, as argparse does (not fairseq's hundreds
-    of lines of usage), before a model loads. fairseq-generate's and -interactive's checkpoints and
-    dictionaries are checked too (they load next); the decoding's own files later, when the task is
+    of lines of usage), before a model loads. fairseq-generate's and -interactive's checkpoints,
+    dictionaries and BPE model are checked too (they load next); the decoding's own files later, when the task is
     built (a script may write them after parsing)."""
     parse = parser.parse_known_args
 
@@ -151,6 +152,10 @@ def check_at_parse_time(parser) -> None:
                 refuse_id_keyed_files(spec)
             if hasattr(ns, "path") and hasattr(ns, "beam"):  # generate/interactive: the models load next
                 problem = model_files_problem(ns.data, (ns.source_lang, ns.target_lang), checkpoint_files(ns), "")
+                bpe = getattr(ns, "bpe", None)
+                if problem is None and bpe in ("sentencepiece", "fastbpe", "subword_nmt") and (
+                        hasattr(ns, "sentencepiece_model") or hasattr(ns, "bpe_codes")):  # fairseq's last pass
+                    problem = bpe_problem(bpe, getattr(ns, "bpe_codes", None), getattr(ns, "sentencepiece_model", None))
                 if problem:
                     raise UsageError(problem)
         except UsageError as e:

@@ -32,7 +32,17 @@ def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optiona
     path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes
     if not path:
         return f"--bpe {bpe} needs {needs}"
-    return None if "://" in path else file_problem(needs, path)  # fairseq also opens URLs
+    if "://" in path:  # fairseq also opens URLs
+        return None
+    problem = file_problem(needs, path)
+    if problem is None and bpe == "sentencepiece":
+        import sentencepiece
+
+        try:  # read now (milliseconds), not after the models load
+            sentencepiece.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError):
+            problem = f"{needs} {path}: not a sentencepiece model"
+    return problem
 
 
 def file_problem(flag: str, path: str) -> Optional[str]:

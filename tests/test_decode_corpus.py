@@ -237,6 +237,7 @@ def test_decode_corpus_options_reach_the_generator(tiny_run, tmp_path):
     (["--input", "missing.txt"], "--input missing.txt: no such file"),
     (["--bpe", "sentencepiece"], "--bpe sentencepiece needs --sentencepiece-model"),
     (["--bpe", "fastbpe"], "--bpe fastbpe needs --bpe-codes"),
+    (["--bpe", "sentencepiece", "--sentencepiece-model", "README.md"], "README.md: not a sentencepiece model"),
     (["--bpe", "byte_bpe"], "argument --bpe: invalid choice: 'byte_bpe'"),  # its options are not passed on
 ])
 def test_usage_mistakes_are_one_line_before_anything_is_written(tiny_run, tmp_path, capsys, extra, message):

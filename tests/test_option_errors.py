@@ -86,6 +86,8 @@ def test_good_options_parse(tmp_path):
     ("no --path", "--path is required"), ("a directory", "not a regular file; name the checkpoint file in it"),
     ("a text file", "not a checkpoint (a file written by torch.save)"), ("missing", "no-such.pt: no such checkpoint"),
     ("no dictionary", "no dict.fr.txt there"),
+    ("no sentencepiece model", "--sentencepiece-model {tmp}/no.model: no such file"),
+    ("a text file as sentencepiece model", "--sentencepiece-model {tmp}/notes.txt: not a sentencepiece model"),
 ])
 def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys, command, case, message):
     """fairseq-interactive without --path, or either command with a directory for it, ended in a
@@ -97,10 +99,13 @@ def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys,
     parser = options.get_generation_parser() if command == "generate" else options.get_interactive_generation_parser()
     flags = [str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation", "-s", "de", "-t",
              "fr" if case == "no dictionary" else "de"] + ([] if path is None else ["--path", path])
+    if "sentencepiece" in case:
+        flags += ["--bpe", "sentencepiece", "--sentencepiece-model",
+                  text_file(tmp_path) if "text file" in case else str(tmp_path / "no.model")]
     with pytest.raises(SystemExit) as exit_:
         options.parse_args_and_arch(parser, input_args=flags)
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert exit_.value.code == 2 and len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
 
 
 @pytest.mark.parametrize("options,message", [
