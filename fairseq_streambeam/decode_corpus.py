@@ -185,7 +185,8 @@ def worker_identity(env=os.environ) -> Tuple[int, int]:
         task, count = number("SLURM_ARRAY_TASK_ID"), number("SLURM_ARRAY_TASK_COUNT")
         first, last = number("SLURM_ARRAY_TASK_MIN", "0"), number("SLURM_ARRAY_TASK_MAX", str(task))
         step = number("SLURM_ARRAY_TASK_STEP", "1")
-        if step < 1 or (last - first) % step or (last - first) // step + 1 != count or (task - first) % step:
+        if (step < 1 or (last - first) % step or (last - first) // step + 1 != count or (task - first) % step
+                or not first <= task <= last):
             raise UsageError(f"Slurm array {first}-{last} (step {step}) has {count} tasks: not one stepped range, "
                              "so its tasks cannot share the shards; submit the whole array again (shards already "
                              "done are skipped) or set RANK and WORLD_SIZE")

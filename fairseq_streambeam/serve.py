@@ -589,6 +589,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--max-beam {args.max_beam} is below --beam {spec.beam_size}")
         if not 0 <= args.port < 65536:
             raise UsageError(f"--port must be in 0..65535, got {args.port}")
+        if not args.batch_wait_ms >= 0:
+            raise UsageError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms:g}")
     except UsageError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     return args

@@ -282,6 +282,8 @@ def test_mistakes_found_late_are_one_line_too(tiny_run, tmp_path, capsys):
       "SLURM_ARRAY_TASK_MAX": "5"}, "not one stepped range"),  # --array=3,5: shards 1, 3, 5... left to nobody
     ({"SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "0",
       "SLURM_ARRAY_TASK_MAX": "5", "SLURM_ARRAY_TASK_STEP": "2"}, "not one stepped range"),  # --array=0-2:2,5
+    ({"SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "0",
+      "SLURM_ARRAY_TASK_MAX": "1"}, "not one stepped range"),  # task 7 of 0-1: "worker 7/2", decoded nothing
     ({"WORLD_SIZE": "1", "RANK": "1"}, "need 0 <= RANK < WORLD_SIZE"),  # decoded nothing
     ({"WORLD_SIZE": "0"}, "need 0 <= RANK < WORLD_SIZE"),  # ZeroDivisionError
     ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),

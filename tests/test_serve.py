@@ -413,3 +413,13 @@ def test_ipv6_hosts_pass_the_listen_check():
     except OSError:
         pytest.skip("no IPv6 loopback here")
     assert listen_problem("::1", 0) is None and listen_problem("127.0.0.1", 0) is None
+
+
+def test_a_negative_batch_wait_is_one_line(capsys):
+    """--batching static with --batch-wait-ms -5 started and served as if it were 0."""
+    from fairseq_streambeam.serve import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([*_model_args(), "--batching", "static", "--batch-wait-ms", "-5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == ["streambeam-serve: error: --batch-wait-ms must be >= 0, got -5"]
