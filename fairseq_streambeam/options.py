@@ -140,8 +140,8 @@ def check_at_parse_time(parser) -> None:
     """Make fairseq's `parser` (with the task's options) build the decoding spec right after parsing
     and report a bad option in one line with exit status 2, as argparse does (not fairseq's hundreds
     of lines of usage), before a model loads. fairseq-generate's and -interactive's checkpoints,
-    dictionaries and BPE model are checked too (they load next); the decoding's own files later, when the task is
-    built (a script may write them after parsing)."""
+    dictionaries and BPE model are checked too (they load next); the decoding's own files later,
+    when the task is built (a script may write them after parsing)."""
     parse = parser.parse_known_args
 
     def parse_and_check(args=None, namespace=None):

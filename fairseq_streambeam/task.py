@@ -98,7 +98,7 @@ class StreamBeamTranslationTask(TranslationTask):
         self.spec: DecodeSpec = from_cli(cfg)
         check_files(self.spec)
         self.limits: tuple | None = None  # (sources, source tokens) a batch holds: get_batch_iterator's
-        self._drafters: dict = {}  # (path, device, dtype) -> block_drafter; ("lookup", path, order) -> NgramTable
+        self._drafters: dict = {}  # (file key, device, dtype) -> block_drafter; ("lookup", file key, order) -> table
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
