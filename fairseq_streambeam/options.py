@@ -156,6 +156,7 @@ def check_at_parse_time(parser) -> None:
                 if problem is None and bpe in ("sentencepiece", "fastbpe", "subword_nmt") and (
                         hasattr(ns, "sentencepiece_model") or hasattr(ns, "bpe_codes")):  # fairseq's last pass
                     problem = bpe_problem(bpe, getattr(ns, "bpe_codes", None), getattr(ns, "sentencepiece_model", None))
+                problem = problem or _results_path_problem(getattr(ns, "results_path", None))
                 if problem:
                     raise UsageError(problem)
         except UsageError as e:
@@ -166,6 +167,18 @@ def check_at_parse_time(parser) -> None:
     # argparse's mistakes in the task's options (a bad choice, a bad number) and unknown options in
     # one line too, not after fairseq's usage; fairseq's own options are parsed before add_args runs
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _results_path_problem(path: Optional[str]) -> Optional[str]:
+    """Why fairseq-generate cannot make its --results-path folder (it would end in a traceback)."""
+    if not path:
+        return None
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--results-path {path}: not a directory"
+    up = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    return None if os.path.isdir(up) else f"--results-path {path}: {up} is not a directory"
 
 
 def checkpoint_files(ns) -> Optional[str]:

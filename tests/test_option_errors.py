@@ -88,6 +88,7 @@ def test_good_options_parse(tmp_path):
     ("no dictionary", "no dict.fr.txt there"),
     ("no sentencepiece model", "--sentencepiece-model {tmp}/no.model: no such file"),
     ("a text file as sentencepiece model", "--sentencepiece-model {tmp}/notes.txt: not a sentencepiece model"),
+    ("results in a file", "--results-path {tmp}/notes.txt/out: {tmp}/notes.txt is not a directory"),
 ])
 def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys, command, case, message):
     """fairseq-interactive without --path, or either command with a directory for it, ended in a
@@ -99,6 +100,8 @@ def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys,
     parser = options.get_generation_parser() if command == "generate" else options.get_interactive_generation_parser()
     flags = [str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation", "-s", "de", "-t",
              "fr" if case == "no dictionary" else "de"] + ([] if path is None else ["--path", path])
+    if case == "results in a file":
+        flags += ["--results-path", text_file(tmp_path) + "/out"]
     if "sentencepiece" in case:
         flags += ["--bpe", "sentencepiece", "--sentencepiece-model",
                   text_file(tmp_path) if "text file" in case else str(tmp_path / "no.model")]
