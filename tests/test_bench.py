@@ -308,6 +308,8 @@ def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decodi
     (["--methods", "gad"], "the gad methods need --drafter"),
     (["--gen-subset", "nosuch"], "--gen-subset nosuch: Dataset not found"),
     (["--methods", "beam,greedy,beam"], "methods named more than once: beam"),
+    (["--baseline", "var-stream"], "--baseline var-stream: not one of the methods run (beam)"),
+    (["--exact-ref", "nope"], "--exact-ref nope: not one of the methods run (beam)"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--methods", "var-stream", "--refill-eps", "2"], "--refill-eps must be in [0, 1], got 2.0 (method var-stream)"),

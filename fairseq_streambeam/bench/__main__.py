@@ -109,6 +109,10 @@ def resolve(args):
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # a method's name keys its generator and its row
         raise UsageError(f"methods named more than once: {', '.join(twice)} (give each variant its own name)")
+    for key in ("baseline", "exact_ref"):  # given, not the default: a method this run has, or its column is empty
+        given = getattr(args, key, None) if getattr(args, key, None) is not None else config.get(key)
+        if given is not None and given not in names:
+            raise UsageError(f"--{key.replace('_', '-')} {given}: not one of the methods run ({', '.join(names)})")
     return settings, variants
 
 
