@@ -305,6 +305,7 @@ class Calibrator:
 
         from .loader import load_models, load_task
         from .scorers.build_posteriors import EvidenceError, load_evidence
+        from .task import batching_problem
 
         self.a = a
         self.out = Path(a.out)
@@ -320,6 +321,10 @@ class Calibrator:
         self.dev = self.test_set(a.range, a.limit)
         self.test = self.test_set(a.test_range, a.test_limit) if a.test_range else None
         self.models = load_models(self.task, a.path, self.cuda)
+        for ts in (self.dev, self.test):  # the batching's own mistakes, before a folder is made
+            problem = ts and a.max_tokens and batching_problem(ts.dataset, a.max_tokens, None, False)
+            if problem:
+                raise CalibrationError(problem)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "posteriors").mkdir(exist_ok=True)
         self.cache_file = self.out / "decodes.jsonl"

@@ -248,5 +248,5 @@ def test_bad_input_is_one_line_with_status_2(tiny_run, tmp_path, extra, message)
     errors = [x for x in r.stderr.splitlines() if "error" in x]
     assert "Traceback" not in r.stderr and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
     assert not (tmp_path / "out" / "best.args").exists()
-    if extra[0] in ("--lmbr-p", "--theta0s", "--lmbr-start", "--max-len-b", "--lenpen"):
+    if extra[0] in ("--lmbr-p", "--theta0s", "--lmbr-start", "--max-len-b", "--lenpen", "--max-tokens"):
         assert not (tmp_path / "out").exists()  # found before anything loads or is written
