@@ -14,7 +14,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
 from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, from_cli, model_files_problem
-from .textio import bpe_problem
+from .textio import BPE_FILES, bpe_problem
 
 DECODING_CHOICES = ChoiceEnum(list(DECODINGS))
 ORDER_CHOICES = ChoiceEnum([o for o in ORDERS if o != "fifo"])  # fifo (paper A.2): a bench variant
@@ -153,7 +153,7 @@ def check_at_parse_time(parser) -> None:
             if hasattr(ns, "path") and hasattr(ns, "beam"):  # generate/interactive: the models load next
                 problem = model_files_problem(ns.data, (ns.source_lang, ns.target_lang), checkpoint_files(ns), "")
                 bpe = getattr(ns, "bpe", None)
-                if problem is None and bpe in ("sentencepiece", "fastbpe", "subword_nmt") and (
+                if problem is None and bpe in BPE_FILES and (
                         hasattr(ns, "sentencepiece_model") or hasattr(ns, "bpe_codes")):  # fairseq's last pass
                     problem = bpe_problem(bpe, getattr(ns, "bpe_codes", None), getattr(ns, "sentencepiece_model", None))
                 problem = problem or _results_path_problem(getattr(ns, "results_path", None))

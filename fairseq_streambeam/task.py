@@ -168,10 +168,6 @@ class StreamBeamTranslationTask(TranslationTask):
         any), the spec's own candidate budget (generators of other specs may share this task)."""
         return None if self.limits is None else Budget(*self.limits, spec.stream_candidates)
 
-    @property
-    def budget(self) -> Budget | None:
-        return self.budget_for(self.spec)
-
     def _drafter(self, spec: DecodeSpec, model):
         src_d, tgt_d = self.source_dictionary, self.target_dictionary
         if spec.decoding == "iad":

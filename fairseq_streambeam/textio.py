@@ -20,13 +20,14 @@ def read_lines(path) -> List[str]:
 
 # fairseq's BPEs that these options configure (the others read options of their own)
 BPES = ("none", "fastbpe", "subword_nmt", "sentencepiece", "bytes", "characters")
+BPE_FILES = {"sentencepiece": "--sentencepiece-model", "fastbpe": "--bpe-codes", "subword_nmt": "--bpe-codes"}
 
 
 def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optional[str]) -> Optional[str]:
     """Why `bpe` cannot be built from these options, in one line (None: it can)."""
     if bpe not in BPES:
         return f"--bpe {bpe}: not one of {', '.join(BPES)}"
-    needs = {"sentencepiece": "--sentencepiece-model", "fastbpe": "--bpe-codes", "subword_nmt": "--bpe-codes"}.get(bpe)
+    needs = BPE_FILES.get(bpe)
     if not needs:
         return None
     path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes

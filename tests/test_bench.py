@@ -295,7 +295,7 @@ def test_task_batches_like_fairseq_when_split_across_workers_or_unlimited(decodi
         kw = dict(max_sentences=4, num_shards=2, shard_id=rank)
         assert ids(ours, **kw) == ids(stock, **kw) != []
     assert ids(ours, max_sentences=0) == ids(stock, max_sentences=0)
-    assert ours.budget.max_sentences == 64  # the default live budget
+    assert ours.budget_for(ours.spec).max_sentences == 64  # the default live budget
 
 
 @pytest.mark.parametrize("extra,message", [
