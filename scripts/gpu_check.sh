@@ -13,8 +13,8 @@
 #            of --drafter-lines) for --drafter-minutes, then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
 #   compile  the host work per step with --compile (on CUDA: CUDA graphs; scripts/host_step.py),
 #            then --compile against the same decodings without it, in one process each: deen-tiny beam
-#            and var-stream at beam 5 and 50 (and ct2 where it runs), on the CPU also gec-tiny IAD at
-#            batch 1 and 32 against fairseq greedy; at least 5 repeats, the first capturing or compiling
+#            and var-stream at beam 5 and 50 (and ct2 where it runs), and gec-tiny IAD at batch 1 and 32
+#            against fairseq greedy; at least 5 repeats, the first capturing or compiling
 #   serve    streambeam-serve on deen-tiny, var-stream k=5: continuous batching against static and
 #            single (bench/serve_bench.py) at 1, 8, 32 and 128 clients over --limit lines (single: a
 #            quarter), every answer checked against offline decoding
@@ -246,9 +246,8 @@ stage_compile() {
         -s de -t en --device "$device" --beam "$k" --sources 64 --methods beam,beam+compile,var-stream+compile \
         --out "$work/profile_deen_k$k.json"
     done
-    return 0  # on CUDA --compile leaves aggressive decoding's blocks eager
   fi
-  for b in "${batches[@]}"; do
+  for b in "${batches[@]}"; do  # on CUDA the draft blocks replay CUDA graphs
     bench compile "gec-compile-b$b" --data "$gec/data-bin" --path "$gec/checkpoint_best.pt" -s src -t trg --beam 1 \
       --batch-size "$b" --methods fairseq-greedy,iad,iad+compile --baseline fairseq-greedy \
       --exact-ref fairseq-greedy --limit "$(limit_for "$b")"
@@ -265,9 +264,11 @@ stage_drafter() {
     --minutes "$drafter_minutes" --out "$dout" "${extra[@]}"
   local ckpt="$dout/ckpt/checkpoint_best.pt"
   [ -f "$ckpt" ] || { echo "[drafter] no drafter checkpoint: see drafter.log"; return 1; }
+  local methods=fairseq-greedy,greedy,no-draft,gad
+  [ "$device" = cuda ] && methods+=",gad+compile"  # the draft blocks as CUDA graphs
   for b in "${batches[@]}"; do
     bench drafter "deen-gad-b$b" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam 1 \
-      --batch-size "$b" --methods fairseq-greedy,greedy,no-draft,gad --drafter "$ckpt" --baseline fairseq-greedy \
+      --batch-size "$b" --methods "$methods" --drafter "$ckpt" --baseline fairseq-greedy \
       --exact-ref fairseq-greedy --limit "$(limit_for "$b")"
   done
 }

@@ -1,9 +1,10 @@
-"""Static-shape one-slot steps (runtime/graph_step.py), which `--compile` replays as CUDA graphs,
-run here eagerly on the CPU: rows, cached slots and sources padded to buckets and masked, keys and
-values in two buffers of fixed capacity. In float64 the output must be the dynamic step's: beam
-equals fairseq's SequenceGenerator, and var-stream equals var-batch under schedules whose cohorts
-alternate, merge and are cut while sharing the buffers. In float32 on deen-tiny, beam keeps its
-top-1. On the CPU the steps run as `Replayed`, which plays what a graph does that an eager step
+"""Static-shape steps (runtime/graph_step.py), which `--compile` replays as CUDA graphs, run here
+eagerly on the CPU: rows, block slots, cached slots and sources padded to buckets and masked, keys
+and values in two buffers of fixed capacity. In float64 the output must be the dynamic step's: beam
+equals fairseq's SequenceGenerator, var-stream equals var-batch under schedules whose cohorts
+alternate, merge and are cut while sharing the buffers, and IAD and GAD (draft blocks rolled back,
+masked and compacted) equal greedy decoding. In float32, deen-tiny's beam and gec-tiny's IAD keep
+their top-1. On the CPU the steps run as `Replayed`, which plays what a graph does that an eager step
 does not: the region a step must not read holds garbage, a shape's first step runs twice (warm-up
 and capture), and other shapes' outputs are overwritten (one memory pool). tests/test_cuda.py
 collects these tests again on a GPU, where the steps are graphs.
@@ -13,11 +14,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_hypos, fairseq_generate, make_dict, make_sample, random_sentences, random_transformer
+from helpers import (
+    assert_same_hypos,
+    fairseq_generate,
+    load_checkpoints,
+    make_dict,
+    make_sample,
+    random_drafter,
+    random_sentences,
+    random_transformer,
+    shared_path,
+)
+from test_aggressive import OracleDrafter
 from test_exact_fairseq import _deen_sample, deen  # noqa: F401
 
 from fairseq_streambeam import Budget, StreamBeamGenerator
+from fairseq_streambeam.drafters.block_model import ModelDrafter
+from fairseq_streambeam.drafters.input_copy import InputCopyDrafter
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
+from fairseq_streambeam.runtime.block_step import BlockDecoder
 from fairseq_streambeam.runtime.graph_step import GraphStep
+from fairseq_streambeam.runtime.kv_cache import KVCache
 
 D = make_dict(30)
 MODELS = [random_transformer(D, 21).double(), random_transformer(D, 22, eos_bias=3.0).double()]
@@ -41,6 +58,8 @@ class Replayed(GraphStep):
         self.outs: dict = {}
         self.replays = 0  # graph steps taken
         self.peak = 0  # the largest buffers' bytes
+        self.in_place = 0  # steps over a cache cut back in the buffers (a rolled-back draft), not copied in
+        self.widths: set = set()  # block widths stepped
 
     def _allocate(self, x, *shape):
         super()._allocate(x, *shape)
@@ -50,11 +69,13 @@ class Replayed(GraphStep):
         for t in b.k[0] + b.k[1] + b.v[0] + b.v[1] + b.ck + b.cv + [b.x]:
             _garbage(t)
 
-    def _stage(self, x, state, groups, rows, n, length, nb, lb, sb, lsb):
-        super()._stage(x, state, groups, rows, n, length, nb, lb, sb, lsb)
+    def _stage(self, x, state, groups, rows, block_pad, n, length, nb, lb, sb, lsb):
+        super()._stage(x, state, groups, rows, block_pad, n, length, nb, lb, sb, lsb)
         b, rd = self.buf, self.cur
-        cached = self._self_kv(state, "prev_key")[0].size(0)
+        pk = self._self_kv(state, "prev_key")[0]
+        cached = n if pk is None else pk.size(0)
         _garbage(b.x[n:])
+        _garbage(b.x[:, x.size(1):])
         for t in b.k[rd] + b.v[rd]:
             _garbage(t[:, :, length:])
             _garbage(t[cached:])
@@ -67,8 +88,14 @@ class Replayed(GraphStep):
         if rows is not None:
             b.rows[n:nb].random_(0, cached, generator=torch.Generator(b.rows.device).manual_seed(n))
 
+    def _ours(self, state, kv):
+        ours = super()._ours(state, kv)
+        self.in_place += ours and kv[0] is not self.last[1][0]
+        return ours
+
     def _run(self, key, fn):
         self.replays += 1
+        self.widths.add(key[1])
         if self.buf.x.is_cuda:
             return super()._run(key, fn)
         self.graphs.setdefault(key, None)
@@ -90,6 +117,15 @@ def with_graph_steps(models, d, max_bytes=None, **kw):
     assert gen.blocks, "the lean block steps apply to these models"
     for block in gen.blocks:
         block.graph = Replayed(block.decoder, max_bytes)
+    return gen
+
+
+def iad_with_graph_steps(models, d, **kw):
+    """An AggressiveGenerator whose draft blocks are graph steps (`Replayed` on the CPU)."""
+    gen = AggressiveGenerator(models, d, **kw)
+    for block in gen.blocks:
+        assert block.draft_blocks and block.lean
+        block.graph = Replayed(block.decoder)
     return gen
 
 
@@ -147,3 +183,93 @@ def test_deen_tiny_float32_beam_on_static_steps(deen):  # noqa: F811
     assert sum(same) >= len(same) - 1
     assert all(abs(float(a[0]["score"]) - float(b[0]["score"])) <= 1e-4 for a, b, ok in zip(ref, got, same) if ok)
     assert 0 < static_shapes(gen) <= 32 < gen.counters.decoder_steps
+
+
+def _truth(sample, ref):
+    rows = sample["net_input"]["src_tokens"]
+    return {tuple(r[r.ne(D.pad())].tolist()): h[0]["tokens"].tolist() for r, h in zip(rows, ref)}
+
+
+@torch.no_grad()
+def test_a_padded_draft_block_leaves_the_eager_steps_logits_and_cache():
+    """One block of drafts of different lengths over a cache with masked slots: the static step's
+    logits at the real slots, and the cache it leaves (keys, values, key mask), are the eager step's."""
+    dec = MODELS[0].decoder
+    src = SAMPLE["net_input"]["src_tokens"][:3]
+    enc = MODELS[0].encoder(src, src.ne(D.pad()).sum(1))
+    first = torch.tensor([[D.eos(), 5, 6, 7]] * 3)
+    pad = torch.tensor([[False, False, False, False, True, True], [False] * 6, [False, False, True, True, True, True]])
+    block = torch.tensor([[7, 8, 9, 10, 1, 1], [7, 9, 9, 9, 9, 11], [8, 5, 1, 1, 1, 1]])
+    logits, states = [], []
+    for graph in (False, True):
+        step = BlockDecoder(dec, draft_blocks=True)
+        step.start_call(3)
+        if graph:
+            step.graph = Replayed(dec)
+            step.graph.start_call()
+        state: dict = {}
+        step(first, torch.arange(4).expand(3, 4), enc, state, None)
+        for layer in dec.layers:  # row 1's second slot rolled back
+            buf = layer.self_attn._get_input_buffer(state)
+            buf["prev_key_padding_mask"] = torch.tensor([[False] * 4, [False, True, False, False], [False] * 4])
+            layer.self_attn._set_input_buffer(state, buf)
+        logits.append(step(block, torch.arange(4, 10).expand(3, 6), enc, state, pad))
+        states.append(state)
+        assert step.graph.replays == 1 if graph else step.graph is None
+    assert torch.allclose(logits[0][~pad], logits[1][~pad], atol=1e-6)  # attention's softmax is float32
+    assert states[0].keys() == states[1].keys()
+    for key, buf in states[0].items():
+        for name, t in buf.items():
+            u = states[1][key][name]
+            assert (t is None) == (u is None) and (t is None or torch.allclose(t.double(), u.double(), atol=1e-6)), name
+
+
+@pytest.mark.parametrize("n", [1, 3, 14])
+def test_iad_on_static_blocks_equals_greedy(n, monkeypatch):
+    """Drafts of the greedy output with every 5th token wrong: long blocks, rejected tails cut off
+    (one row) or masked (a batch) and compacted, rows that finish and cohorts that merge."""
+    monkeypatch.setattr(KVCache, "compact_slack", 0)
+    kw = dict(max_len_b=14, min_len=2, unk_penalty=0.3, len_penalty=0.8)
+    ref = fairseq_generate(MODELS, D, SAMPLE, beam_size=1, **kw)
+    gen = iad_with_graph_steps(MODELS, D, budget=Budget(n), drafter=OracleDrafter(_truth(SAMPLE, ref)), **kw)
+    assert_same_hypos(ref, gen.generate(MODELS, SAMPLE), atol=1e-6)
+    graphs = [block.graph for block in gen.blocks]
+    assert gen.counters.accepted_per_pass > 2 and all(max(g.widths) >= 4 and g.replays > 0 for g in graphs)
+    if n == 1:  # a lone row's cache is cut back after each rejection and read in place
+        assert all(g.in_place > 0 for g in graphs)
+    plain = iad_with_graph_steps(MODELS, D, budget=Budget(n), drafter=InputCopyDrafter(2, 2), **kw)
+    assert_same_hypos(ref, plain.generate(MODELS, SAMPLE), atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [1, 2])
+def test_gad_on_static_blocks_equals_eager_gad(beta):
+    """GAD with a random drafter; with beta 1 greedy's output, with GAD++'s beta 2 the eager
+    step's (its verdict reads every slot of a padded block)."""
+    kw = dict(decoding="gad", draft_min_reach=0.0, draft_switch=False, gad_beta=beta, max_len_b=14,
+              budget=Budget(4))
+    drafter = random_drafter(D, 11, k=4).double()
+    eager = AggressiveGenerator(MODELS, D, drafter=ModelDrafter(drafter, D, 3), **kw)
+    ref = eager.generate(MODELS, SAMPLE)
+    if beta == 1:
+        assert_same_hypos(fairseq_generate(MODELS, D, SAMPLE, beam_size=1, max_len_b=14), ref, atol=1e-6)
+    gen = iad_with_graph_steps(MODELS, D, drafter=ModelDrafter(drafter, D, 3), **kw)
+    assert_same_hypos(ref, gen.generate(MODELS, SAMPLE), atol=1e-6)
+    assert all(block.graph.replays > 0 for block in gen.blocks)
+
+
+def test_gec_tiny_float32_iad_on_static_blocks():
+    """float32: padded products round differently, so top-1 agreement with the eager step (all but
+    one sentence) and few static shapes (a graph each on CUDA)."""
+    root = shared_path("models", "gec-tiny")
+    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin", source_lang="src",
+                                    target_lang="trg")
+    task.load_dataset("test")
+    ds, d = task.dataset("test"), task.target_dictionary
+    s = make_sample(d, [ds.src[i][:-1].tolist() for i in range(0, 1312, 40)])
+    for n in (1, 8):
+        ref = AggressiveGenerator(models, d, budget=Budget(n)).generate(models, s)
+        gen = iad_with_graph_steps(models, d, budget=Budget(n))
+        got = gen.generate(models, s)
+        same = sum(a[0]["tokens"].tolist() == b[0]["tokens"].tolist() for a, b in zip(ref, got))
+        assert same >= len(ref) - 1, f"batch {n}: {same}/{len(ref)}"
+        assert 0 < static_shapes(gen) <= 64, static_shapes(gen)

@@ -66,6 +66,7 @@ BUILTIN: Dict[str, Variant] = {
     "beam+compile": Variant("beam+compile", "beam", compile=True),
     "var-stream+compile": Variant("var-stream+compile", "var-stream", compile=True),
     "iad+compile": Variant("iad+compile", "iad", beam=1, compile=True),
+    "gad+compile": Variant("gad+compile", "gad", beam=1, compile=True),  # needs the run's --drafter
     "beam+lmbr": Variant("beam+lmbr", "beam", lmbr=True),
     "var-stream+lmbr": Variant("var-stream+lmbr", "var-stream", lmbr=True),
 }

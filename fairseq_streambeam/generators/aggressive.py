@@ -113,7 +113,8 @@ class AggressiveGenerator(SequenceGenerator):
         super().__init__(models, tgt_dict, **sequence_generator_args(spec, tgt_dict))
         for m in self.model.models:
             check_block_decoder(m.decoder)
-        self.blocks = [BlockDecoder(m.decoder, spec.compile, repacked=True) for m in self.model.models]
+        self.blocks = [BlockDecoder(m.decoder, spec.compile, repacked=True, draft_blocks=True)
+                       for m in self.model.models]
         check_vocabulary(self.model, tgt_dict)
         self.spec = spec
         if drafter is None and spec.decoding == "gad":  # the task builds the one --drafter/--draft-lookup name
@@ -175,7 +176,10 @@ class AggressiveGenerator(SequenceGenerator):
         self.counters.encoder_calls += 1
         rows = RowState(list(new), [srcs.max_lens[i] for i in new], [[] for _ in new], [[] for _ in new],
                         None if prefix is None else [prefix[i] for i in new])
-        return DraftCohort(rows, KVCache(self.model, len(new), enc), draft, serial)
+        cache = KVCache(self.model, len(new), enc)
+        if enc is not None and any(b.graph_steps(srcs.device) for b in self.blocks):
+            cache.prime(enc)  # encoder keys cached now: the first pass takes the static-shape step too
+        return DraftCohort(rows, cache, draft, serial)
 
     def _merge(self, a: DraftCohort, b: DraftCohort) -> DraftCohort:
         a.cache = KVCache.cat([a.cache, b.cache])

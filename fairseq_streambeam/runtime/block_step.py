@@ -75,11 +75,12 @@ class BlockDecoder:
     embeddings of target positions 0..n-1 (grown by doubling up to max_positions; recomputed after
     a learned table's weight changes), and whether its layers take the lean path (runtime.lean_layer)
     and, with `compile`, run compiled on the CPU (runtime.compiled) or replay one-slot steps as
-    CUDA graphs on CUDA (runtime.graph_step). `repacked`: the lean layers and the
+    CUDA graphs on CUDA (runtime.graph_step; with `draft_blocks`, blocks of any width over caches
+    of one row per source, as draft verification's, too). `repacked`: the lean layers and the
     output projection multiply by copies of the weights in the CPU's fastest layout in generate
     calls over many sources (RepackedLinears; not with `compile`)."""
 
-    def __init__(self, decoder, compile: bool = False, repacked: bool = False):
+    def __init__(self, decoder, compile: bool = False, repacked: bool = False, draft_blocks: bool = False):
         from fairseq.models.transformer import TransformerDecoderBase
 
         self.decoder = decoder
@@ -97,6 +98,7 @@ class BlockDecoder:
         # with `compile`, one-slot steps over per-source caches replay CUDA graphs on CUDA devices
         self.graph = (GraphStep(decoder) if compile and self.lean and self.plain_output
                       and plain_modules(decoder.project_out_dim) else None)
+        self.draft_blocks = draft_blocks
         self._table: Optional[Tensor] = None
         self._version: Optional[tuple] = None
 
@@ -112,6 +114,11 @@ class BlockDecoder:
             self.call_projection = plain_projection(self.decoder.output_projection)
         if self.graph is not None:
             self.graph.start_call()
+
+    def graph_steps(self, device: torch.device) -> bool:
+        """Blocks on `device` may take static-shape steps (runtime.graph_step): on CUDA with
+        `compile`, or a step built to run on the CPU (tests)."""
+        return self.graph is not None and (device.type == "cuda" or self.graph.on_cpu)
 
     def _math(self, x: Tensor) -> Optional[LayerMath]:
         """The layers' math for `x`: compiled on the CPU. On CUDA eager: there `--compile` is the
@@ -162,12 +169,13 @@ class BlockDecoder:
         if decoder.layernorm_embedding is not None:
             x = decoder.layernorm_embedding(x)
         x = decoder.dropout_module(x)
-        if (self.graph is not None and m == 1 and groups is not None and state is not None and block_pad is None
-                and slots is None and not logits_for_tail and not decoder.training and not torch.is_grad_enabled()
-                and (x.is_cuda or self.graph.on_cpu)):
-            logits = self.graph.step(x, state, groups, rows)
+        if (self.graph is not None and state is not None and tail == 0 and not logits_for_tail
+                and not decoder.training and not torch.is_grad_enabled() and self.graph_steps(x.device)
+                and (m == 1 and groups is not None and block_pad is None and slots is None  # a beam step
+                     or self.draft_blocks and groups is None and rows is None)):  # a draft block
+            logits = self.graph.step(x, state, groups, rows, block_pad)
             if logits is not None:
-                return logits
+                return logits if slots is None else slots.pack(logits)
 
         prev = 0 if state is None else cached_length(decoder, state)
         mask = block_attn_mask(prev, m, tail, x.dtype, x.device) if m > 1 else None  # one slot sees every key
