@@ -22,7 +22,7 @@ from helpers import (
 )
 
 from fairseq_streambeam import Budget
-from fairseq_streambeam.scorers.build_posteriors import posteriors, read_evidence
+from fairseq_streambeam.scorers.build_posteriors import Evidence, read_evidence
 from fairseq_streambeam.scorers.lmbr import MAX_ORDER, LMBRScorer, Theta, load_posteriors, write_posteriors
 
 
@@ -86,7 +86,7 @@ def test_posteriors_without_their_substrings_score_as_the_reference():
 def _random_posteriors(rng, n_entries=4, vocab=range(4, 30)):
     entries = [(rng.uniform(-6, -1), [rng.choice(vocab) for _ in range(rng.randint(1, 7))] + [EOS])
                for _ in range(n_entries)]
-    return posteriors(entries, alpha=1.0)
+    return Evidence([{0: entries}]).posteriors(alpha=1.0)[0]
 
 
 def test_batched_scores_equal_slow_reference():
@@ -297,7 +297,7 @@ def test_posteriors_from_nbest_and_file_round_trip(tmp_path):
     ev = read_evidence(str(nbest), "fairseq")
     assert set(ev) == {3, 5} and ev[3][0][1] == ["w1", "w2"]
     d = make_dict(5)
-    post = posteriors([(s, [d.index(t) for t in toks]) for s, toks in ev[3]])
+    post = Evidence([{3: [(s, [d.index(t) for t in toks]) for s, toks in ev[3]]}]).posteriors()[3]
     w1, w2, w3 = d.index("w1"), d.index("w2"), d.index("w3")
     assert post[(w1,)] == pytest.approx(1.0)
     assert post[(w2,)] == pytest.approx(2 / 3) and post[(w1, w3)] == pytest.approx(1 / 3)

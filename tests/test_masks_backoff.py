@@ -10,7 +10,7 @@ import torch
 from helpers import assert_same_hypos, make_dict, make_sample, ours, random_sentences, random_transformer
 
 from fairseq_streambeam import Budget
-from fairseq_streambeam.scorers.build_posteriors import posteriors
+from fairseq_streambeam.scorers.build_posteriors import Evidence
 from fairseq_streambeam.scorers.lmbr import LMBRScorer, Theta
 from fairseq_streambeam.scorers.masks import TokenMaskScorer, load_masks
 
@@ -66,7 +66,7 @@ def _stack():
     posts, masks = {}, {}
     for i in range(len(SENTS)):
         ev = [(rng.uniform(-5, -1), [rng.randrange(4, 30) for _ in range(rng.randint(2, 6))] + [EOS]) for _ in range(4)]
-        posts[i] = posteriors(ev)
+        posts[i] = Evidence([{i: ev}]).posteriors()[i]
         masks[i] = ("allow", sorted({g[0] for g in posts[i] if len(g) == 1}))
     return [LMBRScorer(posts, Theta.linear_bleu(), 0.5, PAD), TokenMaskScorer(masks, EOS, PAD)], masks
 

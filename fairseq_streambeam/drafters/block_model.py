@@ -99,10 +99,7 @@ class ModelDrafter:
         if g.cache.built:
             dev = next(self.model.parameters()).device
             g.cache.select(torch.tensor(keep, dtype=torch.long, device=dev))
-        g.rows = [g.rows[i] for i in keep]
-        g.pending = [g.pending[i] for i in keep]
-        g.fed = [g.fed[i] for i in keep]
-        g.outs = [g.outs[i] for i in keep]
+        g.rows, g.pending, g.fed, g.outs = ([x[i] for i in keep] for x in (g.rows, g.pending, g.fed, g.outs))
         return g
 
     def merge(self, a: ModelDraftState, b: ModelDraftState) -> ModelDraftState:
@@ -115,8 +112,7 @@ class ModelDrafter:
             self._feed(a, 0)
         if a.cache.built:
             a.cache = KVCache.cat([a.cache, b.cache])
-        a.rows, a.pending, a.fed = a.rows + b.rows, a.pending + b.pending, a.fed + b.fed
-        a.outs = a.outs + b.outs
+        a.rows, a.pending, a.fed, a.outs = a.rows + b.rows, a.pending + b.pending, a.fed + b.fed, a.outs + b.outs
         return a
 
     def _drop(self, g: ModelDraftState) -> None:

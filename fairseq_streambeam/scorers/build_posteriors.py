@@ -191,13 +191,6 @@ def _index(entries: List[IdEntry], max_order: int) -> _Source:
     return _Source(len(entries), scores, list(gram_id), np.array(pg, dtype=np.int64), np.array(pe, dtype=np.int64))
 
 
-def posteriors(entries: List[IdEntry], alpha: float = 1.0,
-               max_order: int = MAX_ORDER) -> Dict[NGram, float]:
-    """P(u) = sum_i p_i [u in entry i], p_i = softmax(alpha * score_i), uniform if a score is None."""
-    src = _index(entries, max_order)
-    return dict(zip(src.grams, src.posteriors(alpha).tolist()))
-
-
 def to_ids(system: Dict[int, List[Entry]], d) -> Tuple[Dict[int, List[IdEntry]], int, int]:
     """Units -> dictionary ids with EOS appended; also the counts of unknown units and of units."""
     out, unknown, total = {}, 0, 0

@@ -57,10 +57,8 @@ class TokenMaskScorer:
             width = max(len(t) for _, t in self.rows) or 1
             # padding entries repeat a token with no further effect: EOS (allowed anyway) in an
             # allow-list, the first banned token in a ban-list (pad, never chosen, for an empty one)
-            def filler(allow: bool, toks: List[int]) -> int:
-                return self.eos if allow else (toks[0] if toks else self.pad)
-
-            self.table = torch.tensor([t + [filler(a, t)] * (width - len(t)) for a, t in self.rows],
+            fill = [self.eos if a else (t[0] if t else self.pad) for a, t in self.rows]
+            self.table = torch.tensor([t + [f] * (width - len(t)) for (_, t), f in zip(self.rows, fill)],
                                       dtype=torch.long, device=device)
             self.allow = torch.tensor([a for a, _ in self.rows], dtype=torch.bool, device=device)
         return torch.tensor(ids, dtype=torch.long, device=device)
