@@ -383,9 +383,7 @@ def flag(name: str) -> str:
     """The command-line flag of a spec field (fairseq's own name for its generation options); a
     field that is no command-line option (a bench or Python setting) by its own name."""
     name = {f: g for g, f in GENERATION.items()}.get(name, name)
-    if name not in GENERATION and name not in PLUGIN_OPTIONS:
-        return name
-    return "--" + name.replace("_", "-")
+    return "--" + name.replace("_", "-") if name in GENERATION or name in PLUGIN_OPTIONS else name
 
 
 def _value(v: Any) -> Any:

@@ -61,9 +61,7 @@ def _every(n: int, limit: int, lines: Optional[Tuple[int, int]] = None) -> List[
     if end > n:
         raise ValueError(f"lines {start}:{end} run past the end of the test set ({n} sentences)")
     n = end - start
-    if not limit or limit >= n:
-        return list(range(start, end))
-    return [start + i * n // limit for i in range(limit)]
+    return list(range(start, end)) if not limit or limit >= n else [start + i * n // limit for i in range(limit)]
 
 
 def from_data_bin(task, subset: str, limit: int, post_process: Optional[str],

@@ -110,8 +110,5 @@ def expand_sweep(sweep: dict) -> List[Variant]:
     points: List[dict] = [{}]
     for key, values in grid:
         points = [dict(p, **{key: x}) for p in points for x in values]
-    out = []
-    for p in points:
-        label = ",".join(f"{k}={v}" for k, v in p.items())
-        out.append(Variant(name=f"{prefix}[{label}]", **base, **p))
-    return out
+    labels = [",".join(f"{k}={v}" for k, v in p.items()) for p in points]
+    return [Variant(name=f"{prefix}[{label}]", **base, **p) for p, label in zip(points, labels)]

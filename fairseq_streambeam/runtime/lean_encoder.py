@@ -74,9 +74,7 @@ def encode(encoder, net_input: Dict[str, Tensor]) -> Dict[str, List[Tensor]]:
 
 def forward_encoder(ensemble, net_input: Dict[str, Tensor]) -> Optional[List[Dict[str, List[Tensor]]]]:
     """`EnsembleModel.forward_encoder`: one encoder output per model, each through `encode`."""
-    if not ensemble.has_encoder():
-        return None
-    return [encode(model.encoder, net_input) for model in ensemble.models]
+    return [encode(model.encoder, net_input) for model in ensemble.models] if ensemble.has_encoder() else None
 
 
 def _key_mask(pad: Tensor, heads: int, dtype) -> Tensor:

@@ -56,9 +56,7 @@ class Rows:
 def _take(value: Any, idx: np.ndarray) -> Any:
     if value is None:
         return None
-    if isinstance(value, np.ndarray):
-        return value[idx]
-    return [value[i] for i in idx]
+    return value[idx] if isinstance(value, np.ndarray) else [value[i] for i in idx]
 
 
 def _join(values: List[Any]) -> Any:
@@ -68,6 +66,4 @@ def _join(values: List[Any]) -> Any:
         return type(values[0]).cat(values)
     if isinstance(values[0], Tensor):
         return torch.cat(values)
-    if isinstance(values[0], np.ndarray):
-        return np.concatenate(values)
-    return [x for v in values for x in v]
+    return np.concatenate(values) if isinstance(values[0], np.ndarray) else [x for v in values for x in v]

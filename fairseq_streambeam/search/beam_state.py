@@ -47,9 +47,7 @@ class Beams(Rows):
 
     def score(self) -> Tensor:
         """Current cumulative score of every row (0 before the first token)."""
-        if self.cum.size(1) == 0:
-            return self.cum.new_zeros(self.rows)
-        return self.cum[:, -1]
+        return self.cum[:, -1] if self.cum.size(1) else self.cum.new_zeros(self.rows)
 
 
 def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: Pruning, ranked: int, pad: int,

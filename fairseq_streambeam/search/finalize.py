@@ -106,6 +106,4 @@ def build_finalize(rule: str, beam_size: int, finish_count: Optional[int] = None
     """The finalization rule `rule` (fairseq or sticky), checked against `nbest` (see
     `finished_per_source`)."""
     finished_per_source(rule, beam_size, finish_count, nbest)
-    if rule == "fairseq":
-        return FairseqFinalize(beam_size)
-    return StickyFinalize(beam_size, finish_count)
+    return FairseqFinalize(beam_size) if rule == "fairseq" else StickyFinalize(beam_size, finish_count)
