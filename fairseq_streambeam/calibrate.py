@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .spec import DECODINGS, PAPER_DELTA, PAPER_M, DecodeSpec, UsageError
+from .spec import DECODINGS, PAPER_DELTA, PAPER_M, DecodeSpec, UsageError, checkpoint_files
 
 Prune = Tuple[float, int, int]  # (delta, M, finish count)
 # evidence options beside the files that change its posteriors (n-gram order, how raw text is segmented)
@@ -352,11 +352,12 @@ class Calibrator:
     def _fingerprint(self, ts) -> dict:
         """What, besides the setting, decides a decode's outcome: a cached one is reused only if equal."""
         a = self.a
-        files = [*a.path.split(":"), *(a.nbest or [])]
+        files = [*checkpoint_files(a.path), *(a.nbest or [])]  # a URL is keyed by its name (`path`)
         if id(ts) not in self._lines:  # hashed once per test set (kept alive beside its hash)
             text = json.dumps([[t.tolist() for t in ts.dataset.src], ts.refs])
             self._lines[id(ts)] = (ts, hashlib.sha1(text.encode()).hexdigest())
-        return dict(lines=self._lines[id(ts)][1], files=[(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
+        return dict(lines=self._lines[id(ts)][1], path=a.path,
+                    files=[(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
                     decoding=a.decoding, threads=a.threads if a.objective == "time" else None, beam=a.beam,
                     lenpen=a.lenpen, max_len_b=a.max_len_b, batch=[a.batch_size, a.max_tokens],
                     lmbr=[a.lmbr_p, a.lmbr_r, a.weights, a.n, a.format] + [getattr(a, k, None) for k in EVIDENCE_KEYS],

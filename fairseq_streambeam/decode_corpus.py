@@ -35,7 +35,7 @@ from .frontend import (
     load_model,
 )
 from .runtime.counters import Counters
-from .spec import OneLineParser, UsageError
+from .spec import OneLineParser, UsageError, checkpoint_files
 from .textio import file_problem
 
 SHARD = "shard-{:05d}"
@@ -134,7 +134,7 @@ def run_key(args) -> str:
     """What every shard's output depends on beside its lines: the options, the checkpoints and the
     files keyed by line (path, size, modification time)."""
     options = {k: v for k, v in vars(args).items() if k not in _NOT_IN_KEY and not k.startswith("_")}
-    files = [*args.path.split(":"), *_id_keyed(args)]
+    files = [*checkpoint_files(args.path), *_id_keyed(args)]  # a URL is keyed by its name (in `options`)
     checkpoints = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files]
     return json.dumps([options, checkpoints], sort_keys=True, default=str)
 

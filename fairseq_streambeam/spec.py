@@ -16,7 +16,7 @@ import math
 import os
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .search.finalize import finished_per_source
 from .search.pruning import Pruning
@@ -354,6 +354,12 @@ def is_checkpoint_file(path: str) -> bool:
         return f.read(1) == b"\x80"
 
 
+def checkpoint_files(path: str) -> List[str]:
+    """The local checkpoint files of `--path` (split at os.pathsep: an ensemble), none for a URL
+    (fairseq's `://` paths, which fairseq itself reads and does not split)."""
+    return [] if "://" in path else path.split(os.pathsep)
+
+
 def model_files_problem(data: Optional[str], langs: Tuple[Optional[str], ...], path: Optional[str],
                         data_flag: str = "--data") -> Optional[str]:
     """Why a model cannot load, in one line (None: it can): no `--path`, one of its checkpoints
@@ -362,7 +368,7 @@ def model_files_problem(data: Optional[str], langs: Tuple[Optional[str], ...], p
     URLs (fairseq's `://` paths) are left to fairseq. `data_flag`: how messages name `data`."""
     if not path:
         return "--path is required: the model's checkpoint (colon-separated for an ensemble)"
-    for ckpt in [] if "://" in path else path.split(os.pathsep):
+    for ckpt in checkpoint_files(path):
         try:
             problem = file_problem("--path", ckpt) or (
                 None if is_checkpoint_file(ckpt) else f"--path {ckpt}: not a checkpoint (a file written by torch.save)")

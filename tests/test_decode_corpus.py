@@ -339,6 +339,19 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tiny_run, tmp_path, ca
     assert exit_.value.code == 2 and len(err) == 1 and "--output-dir" in err[0] and "cannot create it" in err[0]
 
 
+def test_the_run_key_names_a_url_checkpoint_and_stats_local_ones(tiny_run, tmp_path):
+    """A URL --path (which fairseq reads) is keyed by its name; local checkpoints by size and time."""
+    from fairseq_streambeam.decode_corpus import parse_args, run_key
+
+    args = parse_args(_tiny_args(tiny_run, tmp_path))
+    local = run_key(args)
+    assert str(tiny_run[1]) in local and str(tiny_run[1].stat().st_size) in local
+    args.path = "https://example.org/models/a.pt"
+    a = run_key(args)
+    args.path = "https://example.org/models/b.pt"
+    assert "a.pt" in a and a != run_key(args)
+
+
 def test_generation_options_reach_the_spec(tiny_run, tmp_path):
     """fairseq's generation options that decode_corpus takes end up in the generator's spec."""
     from fairseq_streambeam.decode_corpus import parse_args
