@@ -375,6 +375,7 @@ def test_scorer_files_with_ids_outside_the_dictionary_are_refused_when_read(tmp_
     (['{"id": 0, "ngrams": [[[5], NaN]]}'], "p.jsonl:1: not a posterior record (posterior nan is not a finite"),
     (['{"id": 0, "ngrams": [[[5], -0.5]]}'], "p.jsonl:1: not a posterior record (posterior -0.5 is not a finite"),
     (['{"id": 0, "ngrams": [[[5.5], 0.5]]}'], "p.jsonl:1: not a posterior record (token id 5.5 is not a whole"),
+    ([""], "p.jsonl: no posterior record (the file is empty)"),
 ])
 def test_posterior_files_with_duplicates_or_non_finite_values_are_refused(tmp_path, lines, message):
     """A second record replaced the first; NaN posteriors (build_posteriors on all -inf n-best scores)

@@ -134,6 +134,7 @@ def test_lookup_gad_cli_equals_greedy(tiny_run, tmp_path):
 @pytest.mark.parametrize("content,extra,message", [
     ("w1 w2\n", ["--draft-lookup-order", "60"], "do not fit in 62 bits: lower --draft-lookup-order"),
     (b"w1 \xff\n", [], "'utf-8' codec can't decode"),
+    ("\n\n", [], "no text to draft from (the file is empty)"),
 ])
 def test_lookup_table_mistakes_are_one_line(tiny_run, tmp_path, content, extra, message):
     data, ckpt = tiny_run

@@ -45,6 +45,7 @@ def test_load_masks(tmp_path):
     (['{"id": 0, "ban": [5.7]}'], "m.jsonl:1: not a mask record (token id 5.7 is not a whole number)"),
     (['{"id": 0, "ban": 5}'], 'm.jsonl:1: not a mask record (a mask record has an "id"'),
     (["5"], 'm.jsonl:1: not a mask record (a mask record has an "id"'),
+    (["", "  "], "m.jsonl: no mask record (the file is empty)"),
 ])
 def test_mask_files_that_would_let_a_banned_token_through_or_fail_late_are_refused(tmp_path, lines, message):
     """A second record for a sentence replaced the first (its banned token came out); a float id was

@@ -278,6 +278,8 @@ def _subset_posteriors(args, variants, ts, out_dir: Path):
 
     post = load_posteriors(args.lmbr_posteriors)
     missing = sum(orig not in post for orig in ts.orig_ids)
+    if missing == len(ts.orig_ids):
+        raise UsageError(f"--lmbr-posteriors {args.lmbr_posteriors}: no record for any of the benchmark's sentences")
     if missing:
         print(f"lmbr: {missing} of {len(ts.orig_ids)} sentences have no posteriors (scored with lambda, Theta0 only)")
     path = out_dir / "lmbr_posteriors.subset.jsonl"

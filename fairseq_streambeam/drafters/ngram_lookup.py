@@ -67,6 +67,8 @@ class NgramTable:
         index, unk, eos = dictionary.indices, dictionary.unk(), dictionary.eos()
         with p.open(encoding="utf-8") as f:  # Dictionary.encode_line's split, 10x faster without tensors
             seqs = [[index.get(w, unk) for w in line.split()] + [eos] for line in f]
+        if not any(len(s) > 1 for s in seqs):
+            raise ValueError("no text to draft from (the file is empty)")
         return cls.from_sequences(seqs, len(dictionary), eos, order)
 
     def next(self, context: List[int]) -> Optional[int]:

@@ -57,7 +57,8 @@ def read_records(path: str, what: str, parse: Callable[[dict], Tuple[int, Any, L
                  vocab: Optional[int]) -> Dict[int, Any]:
     """Sentence id -> value from a JSON-lines file, blank lines skipped. `parse(record)` gives (id,
     value, token ids) or raises ValueError/KeyError/TypeError, reported as `path:line: not a {what}
-    record (...)`; each sentence has one record, and with `vocab` its token ids lie in 0..vocab-1."""
+    record (...)`; each sentence has one record, and with `vocab` its token ids lie in 0..vocab-1.
+    A file with no record is refused: the step that should have written it most likely failed."""
     out: Dict[int, Any] = {}
     seen: Dict[int, int] = {}
     with open(path, encoding="utf-8") as f:
@@ -74,4 +75,6 @@ def read_records(path: str, what: str, parse: Callable[[dict], Tuple[int, Any, L
             if bad:
                 raise ValueError(f"{path}:{ln}: token id {bad[0]} is not in the target dictionary ({vocab} entries)")
             seen[sid], out[sid] = ln, value
+    if not out:
+        raise ValueError(f"{path}: no {what} record (the file is empty)")
     return out
