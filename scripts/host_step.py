@@ -1,16 +1,17 @@
 """Host work per decoder step: each decoding on a random transformer so small that its step is all
 host work (Python, dispatch, small copies), as deen-tiny's step is on an H100 (docs/benchmarks.md,
 "Host work per step"). Every output runs to the length limit (--min-len at the limit), so every
-decoding takes the same steps. Times the decodings interleaved in one process (minimum over rounds)
-and counts the torch operators they dispatch (on a GPU, a kernel launch or a view each); both are
-a whole generate call's, encoder included, divided by its decoder steps.
+decoding takes the same steps (`iad`, greedy's output drafted from the source, fewer: its passes).
+Times the decodings interleaved in one process (minimum over rounds) and counts the torch
+operators they dispatch (on a GPU, a kernel launch or a view each); both are a whole generate
+call's, encoder included, divided by its decoder steps.
 
   python scripts/host_step.py [--sources 8] [--beam 5] [--layers 3] [--dim 16] [--rounds 7] [--device cuda]
                              [--compile | --graph-steps]
 
-`--compile` gives the plugin's decodings --compile (on CUDA, one-slot steps replayed as CUDA graphs);
+`--compile` gives the plugin's decodings --compile (on CUDA, their steps replayed as CUDA graphs);
 the timed rounds follow one untimed run of each, which compiles and captures. `--graph-steps` runs
-their beam steps on the static shapes that --compile replays on CUDA, eagerly on the CPU, and counts
+their steps on the static shapes that --compile replays on CUDA, eagerly on the CPU, and counts
 only the operators dispatched around them: what the host launches per step besides a graph's replay.
 """
 
@@ -27,9 +28,10 @@ from fairseq.sequence_generator import SequenceGenerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fairseq_streambeam import StreamBeamGenerator
+from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime.graph_step import GraphStep
 
-DECODINGS = ("fairseq", "beam", "var-batch", "var-stream", "continuous")
+DECODINGS = ("fairseq", "beam", "var-batch", "var-stream", "continuous", "iad")
 
 
 class OpCount(TorchDispatchMode):
@@ -78,14 +80,16 @@ LENGTH = 40  # every output's length: the limit, and the minimum
 def generator(name: str, model, d: Dictionary, beam: int, compile: bool = False):
     if name == "fairseq":
         return SequenceGenerator([model], d, beam_size=beam, max_len_b=LENGTH, min_len=LENGTH)
+    if name == "iad":
+        return AggressiveGenerator([model], d, max_len_b=LENGTH, min_len=LENGTH, compile=compile)
     order = {"stream_order": "continuous"} if name == "continuous" else {}
     return StreamBeamGenerator([model], d, beam_size=beam, max_len_b=LENGTH, min_len=LENGTH, compile=compile,
                                decoding="var-stream" if name == "continuous" else name, **order)
 
 
 def graph_steps(gen, inside: collections.Counter) -> None:
-    """`gen`'s beam steps on static shapes, on the CPU; the operators dispatched inside them (what
-    a CUDA graph replays) are added to `inside`."""
+    """`gen`'s steps on static shapes, on the CPU; the operators dispatched inside them (what a
+    CUDA graph replays) are added to `inside`."""
     for block in gen.blocks:
         block.graph = GraphStep(block.decoder, on_cpu=True)
         run = block.graph._static
@@ -101,7 +105,7 @@ def graph_steps(gen, inside: collections.Counter) -> None:
 
 def steps_of(gen, model, sample) -> int:
     """Decoder steps of one generate call (fairseq's generator: its forward_decoder calls)."""
-    if isinstance(gen, StreamBeamGenerator):
+    if isinstance(gen, (StreamBeamGenerator, AggressiveGenerator)):
         before = gen.counters.decoder_steps
         gen.generate([model], sample)
         return gen.counters.decoder_steps - before
@@ -132,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and batch go")
     p.add_argument("--compile", action="store_true", help="the plugin's decodings with --compile")
     p.add_argument("--graph-steps", action="store_true",
-                   help="CPU: beam steps on static shapes, operators inside them not counted")
+                   help="CPU: steps on static shapes, operators inside them not counted")
     p.add_argument("--decodings", default=",".join(DECODINGS), help="comma-separated, from " + ", ".join(DECODINGS))
     return p
 
@@ -179,7 +183,7 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, {where}; random transformer {a.layers}+{a.layers} "
           f"layers, d {a.dim}, {a.vocab} symbols; {a.sources} sources, beam {a.beam}; minimum of {a.rounds} rounds"
           + ("; the plugin's decodings with --compile" if a.compile else "")
-          + ("; beam steps on static shapes, operators inside them not counted" if a.graph_steps else ""))
+          + ("; steps on static shapes, operators inside them not counted" if a.graph_steps else ""))
     print(f"| decoding | steps | ms per step | x {names[0]} | operators per step |")
     print("|---|---:|---:|---:|---:|")
     first = best[names[0]] / steps[names[0]]
