@@ -106,6 +106,21 @@ def load_checkpoints(*paths: Path, data: Optional[Path] = None, **overrides):
     return models, task
 
 
+def gec_tiny():
+    """The gec-tiny checkpoint (skips without ../shared) and its task with the CoNLL-14 test set loaded."""
+    root = shared_path("models", "gec-tiny")
+    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin", source_lang="src",
+                                    target_lang="trg")
+    task.load_dataset("test")
+    return models, task
+
+
+def gec_sample(task, step: int) -> dict:
+    """Every `step`-th sentence of gec-tiny's test set, as a batch."""
+    ds = task.dataset("test")
+    return make_sample(task.target_dictionary, [ds.src[i][:-1].tolist() for i in range(0, len(ds), step)])
+
+
 def make_sample(d: Dictionary, sentences: List[List[int]], left_pad: bool = True) -> dict:
     """A fairseq translation batch (source only) from lists of token ids (EOS appended)."""
     toks = [torch.tensor(s + [d.eos()], dtype=torch.long) for s in sentences]

@@ -15,13 +15,13 @@ from helpers import (
     assert_same_hypos,
     block_of,
     fairseq_generate,
-    load_checkpoints,
+    gec_sample,
+    gec_tiny,
     make_dict,
     make_sample,
     random_sentences,
     random_transformer,
     run_cli,
-    shared_path,
 )
 
 from fairseq_streambeam import Budget
@@ -89,13 +89,9 @@ def test_iad_ensemble_equals_greedy():
 
 
 def test_gec_tiny_iad_equals_greedy_and_copies():
-    root = shared_path("models", "gec-tiny")
-    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin", source_lang="src",
-                                    target_lang="trg")
+    models, task = gec_tiny()
     models = [m.double() for m in models]
-    task.load_dataset("test")
-    ds, d = task.dataset("test"), task.target_dictionary
-    s = make_sample(d, [ds.src[i][:-1].tolist() for i in range(0, 1312, 60)])
+    d, s = task.target_dictionary, gec_sample(task, 60)
     ref = fairseq_generate(models, d, s, beam_size=1)
     for n in (1, 6):
         gen = AggressiveGenerator(models, d, budget=Budget(n))
@@ -107,12 +103,8 @@ def test_gec_tiny_float32_iad_on_repacked_weights_agrees_with_fairseq_greedy():
     """float32, a call over enough sources that verification multiplies by repacked weights
     (oneDNN's layout where torch has it): products round otherwise than fairseq's, so require
     near-total agreement (the whole CoNLL-14 set is identical in docs/benchmarks.md)."""
-    root = shared_path("models", "gec-tiny")
-    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin", source_lang="src",
-                                    target_lang="trg")
-    task.load_dataset("test")
-    ds, d = task.dataset("test"), task.target_dictionary
-    s = make_sample(d, [ds.src[i][:-1].tolist() for i in range(0, 1312, 40)])
+    models, task = gec_tiny()
+    d, s = task.target_dictionary, gec_sample(task, 40)
     ref = fairseq_generate(models, d, s, beam_size=1)
     gen = AggressiveGenerator(models, d)
     got = gen.generate(models, s)

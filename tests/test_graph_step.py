@@ -17,13 +17,13 @@ import torch
 from helpers import (
     assert_same_hypos,
     fairseq_generate,
-    load_checkpoints,
+    gec_sample,
+    gec_tiny,
     make_dict,
     make_sample,
     random_drafter,
     random_sentences,
     random_transformer,
-    shared_path,
 )
 from test_aggressive import OracleDrafter
 from test_exact_fairseq import _deen_sample, deen  # noqa: F401
@@ -260,12 +260,8 @@ def test_gad_on_static_blocks_equals_eager_gad(beta):
 def test_gec_tiny_float32_iad_on_static_blocks():
     """float32: padded products round differently, so top-1 agreement with the eager step (all but
     one sentence) and few static shapes (a graph each on CUDA)."""
-    root = shared_path("models", "gec-tiny")
-    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin", source_lang="src",
-                                    target_lang="trg")
-    task.load_dataset("test")
-    ds, d = task.dataset("test"), task.target_dictionary
-    s = make_sample(d, [ds.src[i][:-1].tolist() for i in range(0, 1312, 40)])
+    models, task = gec_tiny()
+    d, s = task.target_dictionary, gec_sample(task, 40)
     for n in (1, 8):
         ref = AggressiveGenerator(models, d, budget=Budget(n)).generate(models, s)
         gen = iad_with_graph_steps(models, d, budget=Budget(n))

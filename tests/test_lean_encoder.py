@@ -5,13 +5,12 @@ embedding layer norm; encoders it does not implement fall back to fairseq's forw
 import pytest
 import torch
 from helpers import (
-    load_checkpoints,
+    gec_tiny,
     make_dict,
     make_sample,
     random_drafter,
     random_sentences,
     random_transformer,
-    shared_path,
 )
 
 from fairseq_streambeam.runtime.lean_encoder import encode, supports_lean_encoder
@@ -73,10 +72,7 @@ def test_unsupported_encoders_fall_back_to_fairseq():
 
 
 def test_lean_encoder_equals_fairseq_on_the_gec_checkpoint():
-    root = shared_path("models", "gec-tiny")
-    models, task = load_checkpoints(root / "checkpoint_best.pt", data=root / "data-bin", source_lang="src",
-                                    target_lang="trg")
-    task.load_dataset("test")
+    models, task = gec_tiny()
     ds = task.dataset("test")
     encoder = models[0].encoder
     assert supports_lean_encoder(encoder)
