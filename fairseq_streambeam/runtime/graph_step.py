@@ -4,8 +4,9 @@ On a GPU a small model's eager step is host work: over a hundred kernel launches
 around them, whatever the row count (docs/benchmarks.md, "GPU"). A CUDA graph launches them as one, but
 only for fixed shapes and fixed memory. `GraphStep` gives both to the beam decodings' one-slot steps
 and to aggressive decoding's draft blocks:
-- rows, block slots, cached slots, sources and source positions are padded up to powers of two
-  (buckets);
+- block slots, cached slots, sources and source positions are padded up to powers of two
+  (buckets), rows up to 64 too and past it to quarter octaves (80, 96, 112, 128, 160, ...), whose
+  padding (a quarter at most) stays small where rows cost the device time;
 - self-attention keys and values live in two buffers of fixed capacity per layer: a step reads
   one, follows the back-pointers into the other and writes its block there at slot indices held
   in a tensor (lean_layer.SlotWrite); slots after each query's own are masked;
@@ -36,6 +37,13 @@ from .lean_layer import LayerMath, SlotWrite, SourceGroups, linear, norm, plain_
 def _bucket(n: int, least: int) -> int:
     """The smallest power of two that is at least `n` and `least`."""
     return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def _row_bucket(n: int) -> int:
+    """Rows padded for a graph: powers of two up to 64 (at least 8), then multiples of an eighth
+    of the next power of two: 320 rows (64 sources x beam 5) stay 320, not 512."""
+    b = _bucket(n, 8)
+    return b if b <= 64 else -(-n // (b // 8)) * (b // 8)
 
 
 class GraphStep:
@@ -99,7 +107,7 @@ class GraphStep:
         length, cached = (0, n) if pk[0] is None else (pk[0].size(2), pk[0].size(0))
         s, ls = ck[0].size(0), ck[0].size(2)
         # the cached rows are in their order before `rows`: as many as the rows they continue
-        nb, mb, wb = _bucket(max(n, cached), 8), _bucket(m, 1), _bucket(groups.width, 1)
+        nb, mb, wb = _row_bucket(max(n, cached)), _bucket(m, 1), _bucket(groups.width, 1)
         lb, sb, lsb = _bucket(length + mb, 16), _bucket(s, 1), _bucket(ls, 16)
         fits = self._fits(x, nb, mb, lb, sb, lsb)
         if not (fits and self._ours(state, pk + pv)):
