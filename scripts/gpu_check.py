@@ -335,7 +335,9 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
     that launch kernels carry their time too), the host's ms per step in synchronizing calls and
     copies, synchronizing calls and copies per step (a copy to the host is one of each), and the top
     kernels by device time and operators by host time. A method named `<decoding>+compile` runs
-    with --compile (on CUDA: its steps replayed as CUDA graphs, captured in the warm-up)."""
+    with --compile (on CUDA: its steps replayed as CUDA graphs, captured in the warm-up);
+    `<decoding>+compile-pow2` the same with the graphs' rows padded to powers of two, not quarter
+    octaves (graph_step._row_bucket swapped for the method's decodes: an A/B of the padding)."""
     import torch
     from fairseq import utils
     from fairseq.sequence_generator import SequenceGenerator
@@ -344,6 +346,7 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
 
     from fairseq_streambeam import StreamBeamGenerator
     from fairseq_streambeam.loader import load_models, load_task
+    from fairseq_streambeam.runtime import graph_step
 
     cuda = device == "cuda"
     task = load_task(data, src_lang, tgt_lang)
@@ -376,19 +379,27 @@ def profile_steps(data: str, path: str, src_lang: str, tgt_lang: str, beam: int 
         return float(getattr(e, f"self_{kind}_time_total", 0) or 0)
 
     out = {"sources": len(picked), "beam": beam, "rows": len(picked) * beam, "fp16": fp16, "methods": {}}
+    row_bucket = graph_step._row_bucket
     for name in methods:
+        decoding, _, extra = name.partition("+")
+        if extra not in ("", "compile", "compile-pow2"):
+            raise SystemExit(f"profile: unknown method {name}")
         if name == "fairseq":
             gen = SequenceGenerator(models, task.target_dictionary, beam_size=beam, max_len_b=200)
         else:
-            decoding, _, extra = name.partition("+")
             gen = StreamBeamGenerator(models, task.target_dictionary, beam_size=beam, decoding=decoding,
-                                      max_len_b=200, compile=extra == "compile")
-        decode(gen)  # warm-up: first calls, allocator, cuBLAS handles
-        t0 = time.perf_counter()
-        steps = max(decode(gen), 1)
-        wall = time.perf_counter() - t0
-        with profile(activities=activities) as prof:
-            decode(gen)
+                                      max_len_b=200, compile=extra.startswith("compile"))
+        if extra == "compile-pow2":
+            graph_step._row_bucket = lambda n: graph_step._bucket(n, 8)
+        try:
+            decode(gen)  # warm-up: first calls, allocator, cuBLAS handles
+            t0 = time.perf_counter()
+            steps = max(decode(gen), 1)
+            wall = time.perf_counter() - t0
+            with profile(activities=activities) as prof:
+                decode(gen)
+        finally:
+            graph_step._row_bucket = row_bucket
         events = prof.key_averages()
         kernels = [e for e in events if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
                    and not getattr(e, "is_user_annotation", False)]

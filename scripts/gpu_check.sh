@@ -10,7 +10,8 @@
 #            engine_k50.json (var-batch, var-stream, continuous, both under a candidate budget C,
 #            and ct2 where it runs) on --limit sentences at k = 5 and 50
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh, greedy distillation
-#            of --drafter-lines) for --drafter-minutes, then GAD at batch 1 and 32 against fairseq greedy (tokens per pass, speed)
+#            of --drafter-lines) for --drafter-minutes, then GAD at batch 32 and 1 (an eighth of
+#            --limit) against fairseq greedy (tokens per pass, speed)
 #   compile  the host work per step with --compile (on CUDA: CUDA graphs; scripts/host_step.py),
 #            then --compile against the same decodings without it, in one process each: deen-tiny beam
 #            and var-stream at beam 5 and 50 (and ct2 where it runs), and gec-tiny IAD at batch 1 and 32
@@ -20,7 +21,8 @@
 #            quarter), every answer checked against offline decoding
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
 #            --big-minutes on the de-en training text (pre-norm, fp16), its step costs by rows, host
-#            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile), beam 5 with
+#            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile; fp32 also
+#            with --compile's graphs, their rows padded to quarter octaves and to powers of two), beam 5 with
 #            fairseq, beam, var-batch, var-stream and fixed-stream (fp32, then fp16), beam and
 #            var-stream with and without --compile on a quarter of --limit, and beam 50 on a fifth
 # Each stage logs to OUT/<stage>.log; OUT/results.json, OUT/results.md and OUT/gpu_check.png are
@@ -266,10 +268,14 @@ stage_drafter() {
   [ -f "$ckpt" ] || { echo "[drafter] no drafter checkpoint: see drafter.log"; return 1; }
   local methods=fairseq-greedy,greedy,no-draft,gad
   [ "$device" = cuda ] && methods+=",gad+compile"  # the draft blocks as CUDA graphs
-  for b in "${batches[@]}"; do
+  # the drafter is lost with the machine, so its benches share the training's call: the largest
+  # batch first (it reports tokens per pass soonest), batch 1 on half of limit_for's sentences
+  local lim
+  for b in $(printf '%s\n' "${batches[@]}" | sort -rn); do
+    lim=$(limit_for "$b"); [ "$b" = 1 ] && lim=$(( lim / 2 > 0 ? lim / 2 : 1 ))
     bench drafter "deen-gad-b$b" --data "$deen/data-bin" --path "$deen/checkpoint_best.pt" -s de -t en --beam 1 \
       --batch-size "$b" --methods "$methods" --drafter "$ckpt" --baseline fairseq-greedy \
-      --exact-ref fairseq-greedy --limit "$(limit_for "$b")"
+      --exact-ref fairseq-greedy --limit "$lim"
   done
 }
 
@@ -337,8 +343,8 @@ stage_big() {
     bench big "big-k$k" --data "$bb" --path "$ckpt" -s de -t en --beam "$k" \
       --methods fairseq,beam,var-batch,var-stream --limit "$n"
   done
-  local graphs=""  # fp32 on CUDA: the same with --compile's CUDA graphs
-  [ "$device" = cuda ] && graphs=",beam+compile"
+  local graphs=""  # fp32 on CUDA: the same with --compile's CUDA graphs, rows padded both ways
+  [ "$device" = cuda ] && graphs=",beam+compile,beam+compile-pow2,var-stream+compile,var-stream+compile-pow2"
   for p in $half fp32; do  # host against device time per step at 64 sources x beam 5 = 320 rows
     run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
       --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json" \
