@@ -10,8 +10,8 @@
 #            engine_k50.json (var-batch, var-stream, continuous, both under a candidate budget C,
 #            and ct2 where it runs) on --limit sentences at k = 5 and 50
 #   drafter  trains a GAD block drafter for deen-tiny (scripts/train_drafter.sh, greedy distillation
-#            of --drafter-lines) for --drafter-minutes, then GAD at batch 32 and 1 (an eighth of
-#            --limit) against fairseq greedy (tokens per pass, speed)
+#            of --drafter-lines) for --drafter-minutes, then GAD at batch 32 and 1 (half of batch
+#            1's share of --limit) against fairseq greedy (tokens per pass, speed)
 #   compile  the host work per step with --compile (on CUDA: CUDA graphs; scripts/host_step.py),
 #            then --compile against the same decodings without it, in one process each: deen-tiny beam
 #            and var-stream at beam 5 and 50 (and ct2 where it runs), and gec-tiny IAD at batch 1 and 32
@@ -21,8 +21,8 @@
 #            quarter), every answer checked against offline decoding
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
 #            --big-minutes on the de-en training text (pre-norm, fp16), its step costs by rows, host
-#            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile; fp32 also
-#            with --compile's graphs, their rows padded to quarter octaves and to powers of two), beam 5 with
+#            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile; then with
+#            --compile's graphs, rows padded to quarter octaves and to powers of two), beam 5 with
 #            fairseq, beam, var-batch, var-stream and fixed-stream (fp32, then fp16), beam and
 #            var-stream with and without --compile on a quarter of --limit, and beam 50 on a fifth
 # Each stage logs to OUT/<stage>.log; OUT/results.json, OUT/results.md and OUT/gpu_check.png are
@@ -30,7 +30,7 @@
 # Options: --step LIST (tests; several comma-separated) --out DIR ($OUT, else ./gpu-out)
 #   --device cuda|cpu --data DIR (gpu-data, else ../shared) --limit N (test sentences; 500; a quarter
 #   of them for batch 1, which decodes one sentence at a time)
-#   --repeats N (2) --drafter-minutes M (4) --drafter-lines N (30000) --big-minutes M (3)
+#   --repeats N (2) --drafter-minutes M (3) --drafter-lines N (20000) --big-minutes M (3)
 #   --big-vocab N (dictionary padded to N entries; 42000; 0 keeps the tiny models' 8008)
 #   --deadline S (seconds for the whole run, 570: commands are cut so the summary is written in time)
 #   --tests-k EXPR (pytest -k) --tiny (dry-run sizes: tiny models, 5 sentences, a few updates, beam 5
@@ -40,7 +40,7 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
 steps=tests; device=cuda; out="${OUT:-$here/gpu-out}"; data=""; limit=""; repeats=""; tests_k=""; tiny=0
-drafter_minutes=4; drafter_lines=30000; big_minutes=3; big_vocab=42000; deadline=570; valid_lines=500
+drafter_minutes=3; drafter_lines=20000; big_minutes=3; big_vocab=42000; deadline=570; valid_lines=500
 beams=(5 50); batches=(1 32)  # bench: deen-tiny beam sizes; gec-tiny IAD and deen-tiny GAD batch sizes
 python="${PYTHON:-python3}"
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
@@ -268,8 +268,8 @@ stage_drafter() {
   [ -f "$ckpt" ] || { echo "[drafter] no drafter checkpoint: see drafter.log"; return 1; }
   local methods=fairseq-greedy,greedy,no-draft,gad
   [ "$device" = cuda ] && methods+=",gad+compile"  # the draft blocks as CUDA graphs
-  # the drafter is lost with the machine, so its benches share the training's call: the largest
-  # batch first (it reports tokens per pass soonest), batch 1 on half of limit_for's sentences
+  # the drafter lives in the run's scratch folder, so its benches share the training's invocation:
+  # the largest batch first (it reports tokens per pass soonest), batch 1 on half of limit_for's
   local lim
   for b in $(printf '%s\n' "${batches[@]}" | sort -rn); do
     lim=$(limit_for "$b"); [ "$b" = 1 ] && lim=$(( lim / 2 > 0 ? lim / 2 : 1 ))
@@ -343,8 +343,8 @@ stage_big() {
     bench big "big-k$k" --data "$bb" --path "$ckpt" -s de -t en --beam "$k" \
       --methods fairseq,beam,var-batch,var-stream --limit "$n"
   done
-  local graphs=""  # fp32 on CUDA: the same with --compile's CUDA graphs, rows padded both ways
-  [ "$device" = cuda ] && graphs=",beam+compile,beam+compile-pow2,var-stream+compile,var-stream+compile-pow2"
+  local graphs=""  # fp32 on CUDA: the same with --compile's CUDA graphs
+  [ "$device" = cuda ] && graphs=",beam+compile"
   for p in $half fp32; do  # host against device time per step at 64 sources x beam 5 = 320 rows
     run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
       --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json" \
@@ -353,6 +353,10 @@ stage_big() {
   if [ "$device" = cuda ]; then
     bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
       --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --limit "$limit"
+    # the graphs' rows padded to quarter octaves against powers of two, side by side at 320 rows
+    run big profile-big-rows "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
+      --beam 5 --sources "$sources" --out "$work/profile_big_rows.json" \
+      --methods beam+compile,beam+compile-pow2,var-stream+compile,var-stream+compile-pow2
   fi
   for p in $half fp32; do  # the plugin's step eager against a CUDA graph's replay: what host work costs
     run big "lean-step-big-$p" "${helper[@]}" lean-step-cost --data "$bb" --path "$ckpt" -s de -t en \

@@ -296,7 +296,10 @@ class GraphStep:
             layer.self_attn._set_input_buffer(state, buf)
 
     def _capacity(self, x: Tensor, nb: int, mb: int, lb: int, sb: int, lsb: int) -> tuple:
-        """The buffers' shapes for these: at least this large, and as large as the last ones."""
+        """The buffers' shapes for these: at least this large (rows up to a power of two, so a
+        growing cohort reallocates, and drops its graphs, once an octave), and as large as the last
+        ones."""
+        nb = _bucket(nb, 8)
         old = self.buf
         if old is not None and old.x.dtype == x.dtype and old.x.device == x.device:
             nb, mb, lb = max(nb, old.rows.numel()), max(mb, old.x.size(1)), max(lb, old.mask.size(1))
