@@ -351,12 +351,12 @@ stage_big() {
       --methods "fairseq,beam,var-stream$([ "$p" = fp32 ] && echo "$graphs")"
   done
   if [ "$device" = cuda ]; then
-    bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
-      --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --limit "$limit"
     # the graphs' rows padded to quarter octaves against powers of two, side by side at 320 rows
     run big profile-big-rows "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
       --beam 5 --sources "$sources" --out "$work/profile_big_rows.json" \
       --methods beam+compile,beam+compile-pow2,var-stream+compile,var-stream+compile-pow2
+    bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
+      --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --limit "$limit"
   fi
   for p in $half fp32; do  # the plugin's step eager against a CUDA graph's replay: what host work costs
     run big "lean-step-big-$p" "${helper[@]}" lean-step-cost --data "$bb" --path "$ckpt" -s de -t en \
