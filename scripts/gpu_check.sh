@@ -22,7 +22,7 @@
 #   big      a WMT'19-shaped transformer (6+6 layers, d 1024, ffn 8192, 16 heads) trained for
 #            --big-minutes on the de-en training text (pre-norm, fp16), its step costs by rows, host
 #            against device time per step at 320 rows (fp32, fp16; gpu_check.py profile; then with
-#            --compile's graphs, rows padded to quarter octaves and to powers of two), beam 5 with
+#            --compile's graphs, rows padded to powers of two and to quarter octaves), beam 5 with
 #            fairseq, beam, var-batch, var-stream and fixed-stream (fp32, then fp16), beam and
 #            var-stream with and without --compile on a quarter of --limit, and beam 50 on a fifth
 # Each stage logs to OUT/<stage>.log; OUT/results.json, OUT/results.md and OUT/gpu_check.png are
@@ -351,10 +351,10 @@ stage_big() {
       --methods "fairseq,beam,var-stream$([ "$p" = fp32 ] && echo "$graphs")"
   done
   if [ "$device" = cuda ]; then
-    # the graphs' rows padded to quarter octaves against powers of two, side by side at 320 rows
+    # the graphs' rows padded to powers of two against quarter octaves, side by side at 320 rows
     run big profile-big-rows "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
       --beam 5 --sources "$sources" --out "$work/profile_big_rows.json" \
-      --methods beam+compile,beam+compile-pow2,var-stream+compile,var-stream+compile-pow2
+      --methods beam+compile,beam+compile-quarter,var-stream+compile,var-stream+compile-quarter
     bench big big-k5-fp16 --data "$bb" --path "$ckpt" -s de -t en --beam 5 --fp16 \
       --methods fairseq,beam,var-batch,var-stream --exact-ref fairseq --limit "$limit"
   fi

@@ -135,6 +135,17 @@ def _wheel(folder: Path, name: str, version: str, requires=(), members=("pkg/__i
     return path
 
 
+def test_quarter_octave_rows_pad_wide_steps_by_under_a_quarter():
+    """The profile's candidate padding: 64 sources x beam 5 stay 320 rows; buckets rise
+    monotonically, powers of two up to 64, four per octave past it."""
+    buckets = [gpu_check.quarter_octave_rows(n) for n in range(1, 5000)]
+    for n, b in enumerate(buckets, 1):
+        assert b >= max(n, 8) and (n <= 64 or b - n < n / 4), (n, b)
+    assert buckets == sorted(buckets) and buckets[319] == 320 and buckets[3199] == 3584
+    assert sorted({b for b in buckets if 256 < b <= 512}) == [320, 384, 448, 512]
+    assert sorted({b for b in buckets if b <= 64}) == [8, 16, 32, 64]
+
+
 def test_slim_wheel_drops_members_and_their_record_rows(tmp_path):
     w = _wheel(tmp_path, "ve-fairseq", "0.12.3", members=("fairseq/__init__.py", "fairseq/examples/a.py",
                                                             "fairseq/examples/b/c.py", "fairseq/libnat.so"))

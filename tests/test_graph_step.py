@@ -33,7 +33,7 @@ from fairseq_streambeam.drafters.block_model import ModelDrafter
 from fairseq_streambeam.drafters.input_copy import InputCopyDrafter
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime.block_step import BlockDecoder
-from fairseq_streambeam.runtime.graph_step import GraphStep, _row_bucket
+from fairseq_streambeam.runtime.graph_step import GraphStep
 from fairseq_streambeam.runtime.kv_cache import KVCache
 
 D = make_dict(30)
@@ -139,17 +139,6 @@ def test_beam_on_static_steps_equals_fairseq():
     got = gen.generate(MODELS, SAMPLE)
     assert static_shapes(gen) > 0
     assert_same_hypos(fairseq_generate(MODELS, D, SAMPLE, **KW), got, atol=1e-6)
-
-
-def test_row_buckets_pad_wide_steps_by_under_a_quarter():
-    """Where rows cost the device time, a graph's padding is small: 64 sources x beam 5 stay 320
-    rows; buckets rise monotonically, four per octave past 64 rows (few shapes, few captures)."""
-    buckets = [_row_bucket(n) for n in range(1, 5000)]
-    for n, b in enumerate(buckets, 1):
-        assert b >= max(n, 8) and (n <= 64 or b - n < n / 4), (n, b)
-    assert buckets == sorted(buckets) and _row_bucket(320) == 320 and _row_bucket(3200) == 3584
-    assert sorted({b for b in buckets if 256 < b <= 512}) == [320, 384, 448, 512]
-    assert sorted({b for b in buckets if b <= 64}) == [8, 16, 32, 64]
 
 
 def test_buffers_past_the_memory_budget_leave_the_steps_to_the_eager_path():

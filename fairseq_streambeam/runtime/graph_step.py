@@ -4,9 +4,8 @@ On a GPU a small model's eager step is host work: over a hundred kernel launches
 around them, whatever the row count (docs/benchmarks.md, "GPU"). A CUDA graph launches them as one, but
 only for fixed shapes and fixed memory. `GraphStep` gives both to the beam decodings' one-slot steps
 and to aggressive decoding's draft blocks:
-- block slots, cached slots, sources and source positions are padded up to powers of two
-  (buckets), rows up to 64 too and past it to quarter octaves (80, 96, 112, 128, 160, ...), whose
-  padding (a quarter at most) stays small where rows cost the device time;
+- rows, block slots, cached slots, sources and source positions are padded up to powers of two
+  (buckets);
 - self-attention keys and values live in two buffers of fixed capacity per layer: a step reads
   one, follows the back-pointers into the other and writes its block there at slot indices held
   in a tensor (lean_layer.SlotWrite); slots after each query's own are masked;
@@ -40,10 +39,8 @@ def _bucket(n: int, least: int) -> int:
 
 
 def _row_bucket(n: int) -> int:
-    """Rows padded for a graph: powers of two up to 64 (at least 8), then multiples of an eighth
-    of the next power of two: 320 rows (64 sources x beam 5) stay 320, not 512."""
-    b = _bucket(n, 8)
-    return b if b <= 64 else -(-n // (b // 8)) * (b // 8)
+    """Rows padded for a graph (scripts/gpu_check.py profile times other paddings against it)."""
+    return _bucket(n, 8)
 
 
 class GraphStep:
@@ -296,10 +293,7 @@ class GraphStep:
             layer.self_attn._set_input_buffer(state, buf)
 
     def _capacity(self, x: Tensor, nb: int, mb: int, lb: int, sb: int, lsb: int) -> tuple:
-        """The buffers' shapes for these: at least this large (rows up to a power of two, so a
-        growing cohort reallocates, and drops its graphs, once an octave), and as large as the last
-        ones."""
-        nb = _bucket(nb, 8)
+        """The buffers' shapes for these: at least this large, and as large as the last ones."""
         old = self.buf
         if old is not None and old.x.dtype == x.dtype and old.x.device == x.device:
             nb, mb, lb = max(nb, old.rows.numel()), max(mb, old.x.size(1)), max(lb, old.mask.size(1))
