@@ -44,8 +44,9 @@ def _row_bucket(n: int) -> int:
 
 
 class GraphStep:
-    """Static-shape one-slot steps of one fairseq transformer decoder whose layers take the lean
-    path, with its final layer norm and plain output projections (BlockDecoder.graph)."""
+    """Static-shape steps (beams' one-slot steps, draft blocks) of one fairseq transformer decoder
+    whose layers take the lean path, with its final layer norm and plain output projections
+    (BlockDecoder.graph)."""
 
     def __init__(self, decoder, on_cpu: bool = False, max_bytes: Optional[int] = None):
         self.decoder = decoder
