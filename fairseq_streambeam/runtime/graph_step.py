@@ -39,7 +39,7 @@ def _bucket(n: int, least: int) -> int:
 
 
 def _row_bucket(n: int) -> int:
-    """Rows padded for a graph (scripts/gpu_check.py profile times other paddings against it)."""
+    """Rows padded for a graph: powers of two (one name, so a measurement can time other paddings)."""
     return _bucket(n, 8)
 
 
