@@ -1,5 +1,6 @@
 """Every import inside the package runs down the layers of docs/design.md ("Layers"): the engine
-never imports a front end, and every part of the package has a layer."""
+never imports a front end, and every part of the package has a layer. The engine's functions stay
+short and its constructors narrow."""
 
 from __future__ import annotations
 
@@ -72,3 +73,30 @@ def test_the_check_sees_function_level_imports():
     found = {(f, b) for f, _, b in imports()}
     assert ("fairseq_streambeam/calibrate", "frontend") in found  # imported inside parse_args
     assert ("fairseq_streambeam/drafters/distill", "spec") in found
+
+
+ENGINE = ("generators", "runtime", "search", "scorers")  # the engine's folders, kept to small functions
+
+
+def engine_functions() -> Iterator[Tuple[str, ast.FunctionDef]]:
+    for folder in ENGINE:
+        for path in sorted((PACKAGE / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield f"{folder}/{path.name}", node  # type: ignore[misc]
+
+
+def test_engine_functions_are_at_most_60_lines():
+    long = [f"{f}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"  # type: ignore[operator]
+            for f, n in engine_functions() if n.end_lineno - n.lineno + 1 > 60]  # type: ignore[operator]
+    assert not long, "\n".join(long)
+
+
+def test_engine_constructors_take_at_most_8_parameters():
+    """Named parameters of every __init__ written out (self, *args and **kwargs aside; dataclass
+    records such as runtime.counters.Counters are data, not constructors called with arguments)."""
+    wide = [f"{f}:{n.lineno}: {len(names)} parameters" for f, n in engine_functions() if n.name == "__init__"
+            for names in [[a.arg for a in n.args.posonlyargs + n.args.args + n.args.kwonlyargs][1:]]
+            if len(names) > 8]
+    assert not wide, "\n".join(wide)
+

@@ -143,6 +143,23 @@ class BlockDecoder:
             self._table, self._version = _probe_positions(dec, size, device), version
         return self._table[:length]  # type: ignore[index]
 
+    def _embed(self, tokens: Tensor, positions: Tensor, max_position: Optional[int]) -> Tensor:
+        """The decoder's input embedding of block `tokens` at `positions`, as fairseq's
+        TransformerDecoder.extract_features computes it (positions from the kept table)."""
+        decoder = self.decoder
+        x = decoder.embed_scale * decoder.embed_tokens(tokens)
+        if decoder.quant_noise is not None:
+            x = decoder.quant_noise(x)
+        if decoder.project_in_dim is not None:
+            x = decoder.project_in_dim(x)
+        top = int(positions.max()) if max_position is None else max_position
+        table = self.positions(top + 1, tokens.device)
+        if table is not None:
+            x = x + table[positions]
+        if decoder.layernorm_embedding is not None:
+            x = decoder.layernorm_embedding(x)
+        return decoder.dropout_module(x)
+
     def __call__(self, tokens: Tensor, positions: Tensor, encoder_out, state: Optional[IncState],
                  block_pad: Optional[Tensor], tail: int = 0, logits_for_tail: bool = False,
                  max_position: Optional[int] = None, slots: Optional[Slots] = None,
@@ -157,18 +174,7 @@ class BlockDecoder:
         (lean layers only): the cached rows the block's rows continue (KVCache.take_pending)."""
         decoder = self.decoder
         m = tokens.size(1)
-        x = decoder.embed_scale * decoder.embed_tokens(tokens)
-        if decoder.quant_noise is not None:
-            x = decoder.quant_noise(x)
-        if decoder.project_in_dim is not None:
-            x = decoder.project_in_dim(x)
-        top = int(positions.max()) if max_position is None else max_position
-        table = self.positions(top + 1, tokens.device)
-        if table is not None:
-            x = x + table[positions]
-        if decoder.layernorm_embedding is not None:
-            x = decoder.layernorm_embedding(x)
-        x = decoder.dropout_module(x)
+        x = self._embed(tokens, positions, max_position)
         if (self.graph is not None and state is not None and tail == 0 and not logits_for_tail
                 and not decoder.training and not torch.is_grad_enabled() and self.graph_steps(x.device)
                 and (m == 1 and groups is not None and block_pad is None and slots is None  # a beam step
