@@ -79,6 +79,7 @@ from test_graph_step import (  # noqa: F401
     test_deen_tiny_float32_beam_on_static_steps,
     test_gad_on_static_blocks_equals_eager_gad,
     test_gec_tiny_float32_iad_on_static_blocks,
+    test_half_var_stream_on_static_steps,
     test_iad_on_static_blocks_equals_greedy,
     test_var_stream_on_static_steps_equals_var_batch,
 )

@@ -4,15 +4,17 @@ and values in two buffers of fixed capacity. In float64 the output must be the d
 equals fairseq's SequenceGenerator, var-stream equals var-batch under schedules whose cohorts
 alternate, merge and are cut while sharing the buffers, and IAD and GAD (draft blocks rolled back,
 masked and compacted) equal greedy decoding. In float32, deen-tiny's beam and gec-tiny's IAD keep
-their top-1. On the CPU the steps run as `Replayed`, which plays what a graph does that an eager step
-does not: the region a step must not read holds garbage, a shape's first step runs twice (warm-up
-and capture), and other shapes' outputs are overwritten (one memory pool). tests/test_cuda.py
-collects these tests again on a GPU, where the steps are graphs.
+their top-1, and so does var-stream with half-precision models. On the CPU the steps run as
+`Replayed`, which plays what a graph does that an eager step does not: the region a step must not
+read holds garbage, a shape's first step runs twice (warm-up and capture), and other shapes'
+outputs are overwritten (one memory pool). tests/test_cuda.py collects these tests again on a GPU,
+where the steps are graphs.
 """
 
 from __future__ import annotations
 
 import pytest
+import test_half as half
 import torch
 from helpers import (
     assert_same_hypos,
@@ -168,6 +170,20 @@ def test_var_stream_on_static_steps_equals_var_batch(n, eps, order, wait):
     gen = with_graph_steps(MODELS, D, decoding="var-stream", budget=Budget(n), refill_eps=eps, stream_order=order,
                            max_wait_steps=wait, **VAR)
     assert_same_hypos(batch, gen.generate(MODELS, SAMPLE), atol=1e-5, msg=f"n={n} eps={eps} {order}")
+
+
+@pytest.mark.parametrize("dtype", half.DTYPES)
+def test_half_var_stream_on_static_steps(dtype):
+    """Half-precision models: variable-width beams take the static-shape steps too. Padded products
+    round otherwise in half, so the bar is top-1 against the eager lean step (measured on the CPU:
+    72/72 in float16 and in bfloat16; GPU kernels round otherwise, which the bar leaves room for)."""
+    same, kw = 0, dict(half.KW, decoding="var-stream", refill_eps=0.9)
+    for m, s in half.cases(dtype):
+        eager = StreamBeamGenerator([m], half.D, budget=Budget(3), **kw)
+        gen = with_graph_steps([m], half.D, budget=Budget(3), **kw)
+        same += half.same_top1(eager.generate([m], s), gen.generate([m], s))
+        assert gen.lean_steps and static_shapes(gen) > 0
+    assert same >= half.N - 4, f"{dtype}: static steps == eager steps for {same}/{half.N}"
 
 
 def test_deen_tiny_float32_beam_on_static_steps(deen):  # noqa: F811

@@ -195,8 +195,8 @@ class StreamBeamGenerator(SequenceGenerator):
                 logger.info("--stream-order %s falls back to min-length: %s", policy, why)
                 policy = "min-length"
         # rows at different steps, and every step where the lean layers apply, go through the block
-        # step. Half precision keeps fairseq's decoder step: products in other shapes round
-        # differently, which moves float16 scores (float32 ones only in their last bits)
+        # step. Fixed beams in half precision keep fairseq's decoder step: products in other shapes
+        # round differently, which moves float16 scores (float32 ones only in their last bits)
         # variable-width beams multiply by repacked weights (fixed beams equal fairseq's bit for bit)
         blocks = ([BlockDecoder(m.decoder, spec.compile, repacked=not self.pruning.is_fixed)
                    for m in self.model.models] if block_steps(self.model) else [])
@@ -230,10 +230,11 @@ class StreamBeamGenerator(SequenceGenerator):
             block.start_call(n_sources)
 
     def _choose_steps(self) -> None:
-        """Lean block steps where the layers allow them and the models are in full precision; the
-        block step for rows at different steps (ragged orders) or lean steps; else fairseq's step."""
+        """Lean block steps where the layers allow them, for fixed beams only with models in full
+        precision; the block step for rows at different steps (ragged orders) or lean steps; else
+        fairseq's step."""
         blocks, ragged, lean = self._steps
-        self.lean_steps = lean and all(_full_precision(m) for m in self.model.models)
+        self.lean_steps = lean and (not self.pruning.is_fixed or all(_full_precision(m) for m in self.model.models))
         self.blocks = blocks if ragged or self.lean_steps else []
 
     @torch.no_grad()
