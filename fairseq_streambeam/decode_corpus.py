@@ -238,7 +238,7 @@ def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], optio
 def bad_input_summary(bad: Dict[str, float]) -> str:
     """The bad-input counts in words, e.g. '2 invalid UTF-8 (replaced by U+FFFD), 1 empty'; '' if none."""
     words = {"invalid_utf8": "invalid UTF-8 (replaced by U+FFFD)", "empty": "empty (decoded from EOS alone)",
-             "too_long": "longer than the model's source positions (truncated)"}
+             "too_long": "longer than the source limit (the model's positions, or --max-tokens; truncated)"}
     return ", ".join(f"{int(bad[k])} {w}" for k, w in words.items() if bad.get(k))
 
 

@@ -13,7 +13,7 @@ from typing import List, Optional
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
-from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, from_cli, model_files_problem
+from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, check_files, from_cli, model_files_problem
 from .textio import BPE_FILES, bpe_problem
 
 DECODING_CHOICES = ChoiceEnum(list(DECODINGS))
@@ -140,7 +140,8 @@ def check_at_parse_time(parser) -> None:
     """Make fairseq's `parser` (with the task's options) build the decoding spec right after parsing
     and report a bad option in one line with exit status 2, as argparse does (not fairseq's hundreds
     of lines of usage), before a model loads. fairseq-generate's and -interactive's checkpoints,
-    dictionaries and BPE model are checked too (they load next); the decoding's own files later,
+    dictionaries, BPE model and the decoding's own files are checked too (they load next, after
+    fairseq-generate has opened its --results-path file); other parsers' decoding files are checked
     when the task is built (a script may write them after parsing)."""
     parse = parser.parse_known_args
 
@@ -159,6 +160,7 @@ def check_at_parse_time(parser) -> None:
                 problem = problem or _results_path_problem(getattr(ns, "results_path", None))
                 if problem:
                     raise UsageError(problem)
+                check_files(spec)
         except UsageError as e:
             parser.error(str(e))  # one line (set below)
         return ns, extra

@@ -31,7 +31,7 @@ def bpe_problem(bpe: str, bpe_codes: Optional[str], sentencepiece_model: Optiona
     if not needs:
         return None
     path = sentencepiece_model if bpe == "sentencepiece" else bpe_codes
-    if not path:
+    if not path or path == "???":  # "???": omegaconf's MISSING, the default fairseq's BPE configs give
         return f"--bpe {bpe} needs {needs}"
     if "://" in path:  # fairseq also opens URLs
         return None

@@ -38,8 +38,9 @@ def _clean_run(corpus, out, capsys=None):
     assert decode_main([*args, "--output-dir", str(out)]) == 0
     if capsys is not None:  # the bad-input counts are on screen too, not only in manifest.json
         said = capsys.readouterr().out
-        assert ("bad input lines: 1 invalid UTF-8 (replaced by U+FFFD), 1 empty (decoded from EOS alone), "
-                "1 longer than the model's source positions (truncated)") in said.splitlines()[-1], said
+        want = ("bad input lines: 1 invalid UTF-8 (replaced by U+FFFD), 1 empty (decoded from EOS alone), 1 longer "
+                "than the source limit (the model's positions, or --max-tokens; truncated)")
+        assert want in said.splitlines()[-1], said
     return (out / "output.txt").read_text(encoding="utf-8")
 
 

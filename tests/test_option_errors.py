@@ -89,10 +89,15 @@ def test_good_options_parse(tmp_path):
     ("no sentencepiece model", "--sentencepiece-model {tmp}/no.model: no such file"),
     ("a text file as sentencepiece model", "--sentencepiece-model {tmp}/notes.txt: not a sentencepiece model"),
     ("results in a file", "--results-path {tmp}/notes.txt/out: {tmp}/notes.txt is not a directory"),
+    ("sentencepiece without a model", "--bpe sentencepiece needs --sentencepiece-model"),
+    ("missing drafter", "--drafter {tmp}/no.pt: no such file"),
+    ("missing lookup text", "--draft-lookup {tmp}/no.en: no such file"),
 ])
 def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys, command, case, message):
     """fairseq-interactive without --path, or either command with a directory for it, ended in a
-    traceback; a missing dictionary came after the whole configuration was logged."""
+    traceback; a missing dictionary came after the whole configuration was logged; a missing drafter
+    or lookup text, found when the task was built, left fairseq-generate's --results-path file
+    behind (opened before the task); interactive named an unset sentencepiece model `???`."""
     torch.save({}, tmp_path / "model.pt")
     (tmp_path / "dict.de.txt").write_text("")
     path = {"no --path": None, "a directory": str(tmp_path), "a text file": text_file(tmp_path),
@@ -103,8 +108,12 @@ def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys,
     if case == "results in a file":
         flags += ["--results-path", text_file(tmp_path) + "/out"]
     if "sentencepiece" in case:
-        flags += ["--bpe", "sentencepiece", "--sentencepiece-model",
-                  text_file(tmp_path) if "text file" in case else str(tmp_path / "no.model")]
+        flags += ["--bpe", "sentencepiece"] + ([] if "without" in case else [
+            "--sentencepiece-model", text_file(tmp_path) if "text file" in case else str(tmp_path / "no.model")])
+    if case == "missing drafter":
+        flags += ["--decoding", "gad", "--drafter", str(tmp_path / "no.pt")]
+    if case == "missing lookup text":
+        flags += ["--decoding", "gad", "--draft-lookup", str(tmp_path / "no.en")]
     with pytest.raises(SystemExit) as exit_:
         options.parse_args_and_arch(parser, input_args=flags)
     err = capsys.readouterr().err.strip().splitlines()
@@ -117,8 +126,8 @@ def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys,
     (dict(decoding="var-stream", token_masks="missing.jsonl"), "--token-masks missing.jsonl: no such file"),
 ])
 def test_files_are_checked_when_the_task_is_built(tmp_path, options, message):
-    """Not when parsing (a script may write the file after parsing a later command), but when fairseq
-    sets the task up, which it does before it loads a model."""
+    """Parsers other than fairseq-generate's and -interactive's leave them to the task (a script may
+    write the file after parsing a later command), which fairseq sets up before it loads a model."""
     from helpers import make_dict
 
     from fairseq_streambeam.task import StreamBeamTranslationTask
