@@ -59,8 +59,9 @@ def batching_problem(dataset, max_tokens, max_positions, ignore_invalid_inputs: 
     if not len(sizes) or sizes.max() <= max_tokens:
         return None
     i = int(np.argmax(sizes))
-    return (f"--max-tokens {max_tokens} is below the {sizes[i]} tokens of {_named(dataset, indices[i])} (source or "
-            f"reference): raise --max-tokens")
+    sides = "source" if getattr(dataset, "tgt", None) is None else "source or reference"  # interactive: no reference
+    return (f"--max-tokens {max_tokens} is below the {sizes[i]} tokens of {_named(dataset, indices[i])} ({sides}): "
+            "raise --max-tokens")
 
 
 def _limits(max_positions) -> str:

@@ -112,3 +112,16 @@ def test_max_len_a_uses_each_sources_own_length():
     got, _ = ours([M], D, s, **kw)
     alone = [fairseq_generate([M], D, make_sample(D, [sents[i]]), **kw)[0] for i in s["id"].tolist()]
     assert_same_hypos(alone, got)
+
+
+def test_max_tokens_error_names_the_sides_the_dataset_has():
+    """fairseq-interactive's datasets have no reference: the error does not mention one."""
+    from fairseq.data import LanguagePairDataset
+
+    from fairseq_streambeam.task import batching_problem
+
+    src = [torch.tensor([5, 6, 7, D.eos()])]
+    mono = batching_problem(LanguagePairDataset(src, [4], D), 2, None, False)
+    pair = batching_problem(LanguagePairDataset(src, [4], D, src, [4], D), 2, None, False)
+    assert mono is not None and "(source): raise --max-tokens" in mono, mono
+    assert pair is not None and "(source or reference): raise --max-tokens" in pair, pair
