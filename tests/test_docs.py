@@ -205,8 +205,10 @@ def check_module(module: str, args: List[str], monkeypatch) -> None:
 def check_fairseq(program: str, args: List[str], monkeypatch) -> None:
     from fairseq import options
 
-    # the options are checked here; the files they name are the reader's (DATA-BIN, ../shared)
+    # the options are checked here; the files they name are the reader's (DATA-BIN, ../shared) or
+    # an earlier command's (a lookup text, a drafter)
     monkeypatch.setattr("fairseq_streambeam.options.model_files_problem", lambda *a: None)
+    monkeypatch.setattr("fairseq_streambeam.options.check_files", lambda spec: None)
 
     if program.startswith("streambeam-"):
         from fairseq_streambeam.cli import with_plugin
