@@ -48,7 +48,8 @@ def check_args(args) -> None:
     worker's rank (worker_identity, worker_gpu), and that the output folder can be made (it is made)."""
     check_model_options(args, ("shard_lines", "batch_size", "max_tokens", "threads"))
     for path in args.input:
-        problem = file_problem("--input", path)
+        problem = "--input -: standard input is not read (shards need a file to resume)" if path == "-" else (
+            file_problem("--input", path))
         if problem:
             raise UsageError(problem)
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):

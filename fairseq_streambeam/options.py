@@ -14,7 +14,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
 from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, check_files, from_cli, model_files_problem
-from .textio import BPE_FILES, bpe_problem
+from .textio import BPE_FILES, bpe_problem, file_problem
 
 DECODING_CHOICES = ChoiceEnum(list(DECODINGS))
 ORDER_CHOICES = ChoiceEnum([o for o in ORDERS if o != "fifo"])  # fifo (paper A.2): a bench variant
@@ -158,6 +158,8 @@ def check_at_parse_time(parser) -> None:
                         hasattr(ns, "sentencepiece_model") or hasattr(ns, "bpe_codes")):  # fairseq's last pass
                     problem = bpe_problem(bpe, getattr(ns, "bpe_codes", None), getattr(ns, "sentencepiece_model", None))
                 problem = problem or _results_path_problem(getattr(ns, "results_path", None))
+                if problem is None and hasattr(ns, "buffer_size") and getattr(ns, "input", "-") != "-":
+                    problem = file_problem("--input", ns.input)  # fairseq-interactive reads it after loading
                 if problem:
                     raise UsageError(problem)
                 check_files(spec)

@@ -236,6 +236,7 @@ def test_decode_corpus_options_reach_the_generator(tiny_run, tmp_path):
     (["--decoding", "greedy", "--nbest", "2"], "--decoding greedy returns one hypothesis per source"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--input", "missing.txt"], "--input missing.txt: no such file"),
+    (["--input", "-"], "--input -: standard input is not read"),
     (["--bpe", "sentencepiece"], "--bpe sentencepiece needs --sentencepiece-model"),
     (["--bpe", "fastbpe"], "--bpe fastbpe needs --bpe-codes"),
     (["--bpe", "sentencepiece", "--sentencepiece-model", "README.md"], "README.md: not a sentencepiece model"),

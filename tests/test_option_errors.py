@@ -92,6 +92,7 @@ def test_good_options_parse(tmp_path):
     ("sentencepiece without a model", "--bpe sentencepiece needs --sentencepiece-model"),
     ("missing drafter", "--drafter {tmp}/no.pt: no such file"),
     ("missing lookup text", "--draft-lookup {tmp}/no.en: no such file"),
+    ("missing input", "--input {tmp}/no.txt: no such file"),
 ])
 def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys, command, case, message):
     """fairseq-interactive without --path, or either command with a directory for it, ended in a
@@ -114,6 +115,10 @@ def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys,
         flags += ["--decoding", "gad", "--drafter", str(tmp_path / "no.pt")]
     if case == "missing lookup text":
         flags += ["--decoding", "gad", "--draft-lookup", str(tmp_path / "no.en")]
+    if case == "missing input":
+        if command == "generate":
+            pytest.skip("fairseq-generate reads a data-bin split, not --input")
+        flags += ["--input", str(tmp_path / "no.txt")]
     with pytest.raises(SystemExit) as exit_:
         options.parse_args_and_arch(parser, input_args=flags)
     err = capsys.readouterr().err.strip().splitlines()
