@@ -343,12 +343,12 @@ stage_big() {
     bench big "big-k$k" --data "$bb" --path "$ckpt" -s de -t en --beam "$k" \
       --methods fairseq,beam,var-batch,var-stream --limit "$n"
   done
-  local graphs=""  # fp32 on CUDA: the same with --compile's CUDA graphs
-  [ "$device" = cuda ] && graphs=",beam+compile"
+  local graphs=""  # on CUDA: the same with --compile's CUDA graphs (fp16: variable-width beams only,
+  [ "$device" = cuda ] && graphs=",beam+compile"  # fixed beams keep fairseq's step in half)
   for p in $half fp32; do  # host against device time per step at 64 sources x beam 5 = 320 rows
     run big "profile-big-$p" "${helper[@]}" profile --data "$bb" --path "$ckpt" -s de -t en --device "$device" \
       --beam 5 --sources "$sources" $([ "$p" = fp16 ] && echo --fp16) --out "$work/profile_big_$p.json" \
-      --methods "fairseq,beam,var-stream$([ "$p" = fp32 ] && echo "$graphs")"
+      --methods "fairseq,beam,var-stream$([ "$p" = fp32 ] && echo "$graphs" || echo ",var-stream+compile")"
   done
   if [ "$device" = cuda ]; then
     # the graphs' rows padded to powers of two against quarter octaves, side by side at 320 rows
