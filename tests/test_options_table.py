@@ -135,6 +135,7 @@ def option_args(flag: str) -> List[str]:
 def parse(tmp_path, decoding: str, args: List[str]):
     extra = ["--draft-lookup", str(tmp_path / "lookup.txt")] if decoding == "gad" else []
     torch.save({}, tmp_path / "model.pt")  # parsing checks that the checkpoint is one, not what it holds
+    (tmp_path / "lookup.txt").write_text("a b c\n")  # and that the lookup text exists
     parser = options.get_generation_parser()
     return options.parse_args_and_arch(parser, input_args=[
         str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation", "--path",
