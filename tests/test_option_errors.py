@@ -92,7 +92,6 @@ def test_good_options_parse(tmp_path):
     ("sentencepiece without a model", "--bpe sentencepiece needs --sentencepiece-model"),
     ("missing drafter", "--drafter {tmp}/no.pt: no such file"),
     ("missing lookup text", "--draft-lookup {tmp}/no.en: no such file"),
-    ("missing input", "--input {tmp}/no.txt: no such file"),
 ])
 def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys, command, case, message):
     """fairseq-interactive without --path, or either command with a directory for it, ended in a
@@ -115,14 +114,22 @@ def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys,
         flags += ["--decoding", "gad", "--drafter", str(tmp_path / "no.pt")]
     if case == "missing lookup text":
         flags += ["--decoding", "gad", "--draft-lookup", str(tmp_path / "no.en")]
-    if case == "missing input":
-        if command == "generate":
-            pytest.skip("fairseq-generate reads a data-bin split, not --input")
-        flags += ["--input", str(tmp_path / "no.txt")]
     with pytest.raises(SystemExit) as exit_:
         options.parse_args_and_arch(parser, input_args=flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
+
+
+def test_interactive_input_file_is_checked_when_parsing(tmp_path, capsys):
+    """fairseq-interactive reads --input only after the models load: a missing file is found first."""
+    torch.save({}, tmp_path / "model.pt")
+    (tmp_path / "dict.de.txt").write_text("")
+    flags = [str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation", "-s", "de", "-t", "de",
+             "--path", str(tmp_path / "model.pt"), "--input", str(tmp_path / "no.txt")]
+    with pytest.raises(SystemExit) as exit_:
+        options.parse_args_and_arch(options.get_interactive_generation_parser(), input_args=flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and f"--input {tmp_path}/no.txt: no such file" in err[0], err
 
 
 @pytest.mark.parametrize("options,message", [
