@@ -109,7 +109,10 @@ def test_deen_tiny_matches_fairseq(deen, beam, lenpen, n):
     s = _deen_sample(task, n, 3004 // n)
     kw = dict(beam_size=beam, len_penalty=lenpen)
     ref = fairseq_generate(models, d, s, **kw)
-    assert_same_hypos(ref, ours(models, d, s, **kw)[0], msg=f"beam {beam}")
+    got, gen = ours(models, d, s, **kw)
+    assert_same_hypos(ref, got, msg=f"beam {beam}")
+    # calls over 16 sources or more multiply by repacked weights (products rounded otherwise)
+    assert bool(gen.blocks[0].repacked._copies) == bool(gen.encoders.lins[0]._copies) == (n >= 16)
     assert_same_hypos(ref, ours(models, d, s, decoding="fixed-stream", budget=Budget(4), **kw)[0])
 
 
@@ -117,9 +120,11 @@ def test_deen_tiny_ensemble_matches_fairseq(deen):
     root, _, task = deen
     models, _ = load_checkpoints(root / "checkpoint_best.pt", root / "checkpoint_ep5.pt", data=root / "data-bin")
     d = task.target_dictionary
-    s = _deen_sample(task, 10, 300)
+    s = _deen_sample(task, 16, 180)  # 16 sources: repacked weights
     ref = fairseq_generate(models, d, s, beam_size=5)
-    assert_same_hypos(ref, ours(models, d, s, beam_size=5)[0])
+    got, gen = ours(models, d, s, beam_size=5)
+    assert_same_hypos(ref, got)
+    assert all(b.repacked._copies for b in gen.blocks) and all(lin._copies for lin in gen.encoders.lins)
 
 
 def test_enja_toy_matches_fairseq():

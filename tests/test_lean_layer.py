@@ -3,6 +3,8 @@ block logits and cache buffers equal fairseq's path (float64) over a sequence of
 with padding, rolled-back slots, a bidirectional tail, dropped rows and compaction; layers it
 does not implement fall back to fairseq's forward (and aggressive decoding stays exact)."""
 
+import copy
+
 import pytest
 import torch
 from helpers import (
@@ -25,6 +27,7 @@ from fairseq_streambeam.runtime.lean_layer import (
     Slots,
     SourceGroups,
     lean_supported,
+    linear,
     plain_linear,
     plain_projection,
 )
@@ -141,11 +144,11 @@ def test_plain_linear_is_f_linear_bit_for_bit(dtype):
                 assert torch.equal(plain_linear(plain_projection(layer), x), layer(x)), (x.shape, x.stride(), bias)
 
 
-def test_repacked_weights_are_copied_per_call_and_serve_only_inexact_decodings():
+def test_repacked_weights_are_copied_per_call_for_calls_over_many_sources():
     """RepackedLinears computes `linear` (float64: transposed copies); its copies are made again in
     each generate call (a write to `.data` or a dtype change between calls is seen), only in calls
-    over many sources; variable-width beams and aggressive decoding use it, fixed beams (fairseq's
-    bits) do not."""
+    over many sources, for the decoder step and the encoder of every decoding whose step is the
+    lean one; fixed beams in half precision (fairseq's step, fairseq's bits) make none."""
     lin, layer = RepackedLinears(), torch.nn.Linear(6, 5).double()
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     with torch.no_grad():  # generators take the plain projections afresh in each call, as here
@@ -160,14 +163,25 @@ def test_repacked_weights_are_copied_per_call_and_serve_only_inexact_decodings()
         lin.refresh(1)
         assert torch.equal(lin(plain_projection(layer), x.float()), layer(x.float()))  # plain_linear: F.linear's bits
         assert not lin._copies
-    model = random_transformer(D, 3).double()
-    for decoding, repacked in (("beam", False), ("fixed-stream", False), ("var-stream", True)):
+        modules = RepackedLinears(linear)  # the encoder's: over the modules themselves
+        modules.refresh(1)
+        assert torch.equal(modules(layer, x.float()), layer(x.float()))
+    model = random_transformer(D, 3)
+    for decoding in ("beam", "fixed-stream", "var-stream"):
         gen = StreamBeamGenerator([model], D, beam_size=3, decoding=decoding)
-        assert isinstance(gen.blocks[0].project, RepackedLinears) == repacked, decoding
+        for n, copied in ((2, False), (RepackedLinears.MIN_SOURCES, True)):
+            gen.generate([model], make_sample(D, random_sentences(D, n, 5, min_len=2, max_len=6)))
+            assert bool(gen.blocks[0].repacked._copies) == copied, (decoding, n)
+            assert bool(gen.encoders.lins[0]._copies) == copied, (decoding, n)
     gen = AggressiveGenerator([model], D)
     for n, copied in ((2, False), (RepackedLinears.MIN_SOURCES, True)):
         gen.generate([model], make_sample(D, random_sentences(D, n, 5, min_len=2, max_len=6)))
         assert bool(gen.blocks[0].repacked._copies) == copied, n
+        assert bool(gen.encoders.lins[0]._copies) == copied, n
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    gen = StreamBeamGenerator([half], D, beam_size=3)
+    gen.generate([half], make_sample(D, random_sentences(D, RepackedLinears.MIN_SOURCES, 5, min_len=2, max_len=6)))
+    assert not gen.blocks and not gen.encoders.lins[0]._copies
 
 
 @pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),

@@ -29,7 +29,7 @@ from ..runtime.counters import Counters
 from ..runtime.draft_budget import DraftBudget, DraftSwitch
 from ..runtime.driver import Driver, Engine
 from ..runtime.kv_cache import KVCache, check_vocabulary, max_positions, without_padding_mask
-from ..runtime.lean_encoder import forward_encoder
+from ..runtime.lean_encoder import LeanEncoders
 from ..runtime.lean_layer import Slots
 from ..runtime.rows import Rows
 from ..runtime.scheduler import Budget, Scheduler
@@ -115,6 +115,7 @@ class AggressiveGenerator(SequenceGenerator):
             check_block_decoder(m.decoder)
         self.blocks = [BlockDecoder(m.decoder, spec.compile, repacked=True, draft_blocks=True)
                        for m in self.model.models]
+        self.encoders = LeanEncoders(self.model)
         check_vocabulary(self.model, tgt_dict)
         self.spec = spec
         if drafter is None and spec.decoding == "gad":  # the task builds the one --drafter/--draft-lookup name
@@ -150,6 +151,7 @@ class AggressiveGenerator(SequenceGenerator):
         decoder (0)."""
         for block in self.blocks:
             block.start_call(n_sources)
+        self.encoders.start_call(n_sources)
 
     @staticmethod
     def sorted_hypotheses(hypos: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
@@ -168,7 +170,7 @@ class AggressiveGenerator(SequenceGenerator):
     def _admit(self, srcs: Sources, new: List[int], serial: int,
                prefix: Optional[List[List[int]]] = None) -> DraftCohort:
         t = time.perf_counter()
-        enc = forward_encoder(self.model, srcs.subset_input(new))
+        enc = self.encoders(srcs.subset_input(new))
         if enc is not None and len({srcs.lengths[i] for i in new}) == 1:
             enc = without_padding_mask(enc)  # no padding: cross-attention needs no mask
         draft = self.drafter.open(srcs, new)

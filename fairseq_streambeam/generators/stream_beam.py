@@ -30,7 +30,7 @@ from ..runtime.kv_cache import (
     stand_in,
     transformer_decoders,
 )
-from ..runtime.lean_encoder import forward_encoder
+from ..runtime.lean_encoder import LeanEncoders
 from ..runtime.lean_layer import SourceGroups
 from ..runtime.rows import Rows
 from ..runtime.scheduler import RAGGED, Budget, Scheduler
@@ -195,14 +195,15 @@ class StreamBeamGenerator(SequenceGenerator):
                 logger.info("--stream-order %s falls back to min-length: %s", policy, why)
                 policy = "min-length"
         # rows at different steps, and every step where the lean layers apply, go through the block
-        # step. Fixed beams in half precision keep fairseq's decoder step: products in other shapes
-        # round differently, which moves float16 scores (float32 ones only in their last bits)
-        # variable-width beams multiply by repacked weights (fixed beams equal fairseq's bit for bit)
-        blocks = ([BlockDecoder(m.decoder, spec.compile, repacked=not self.pruning.is_fixed)
+        # step, multiplying by repacked weights. Fixed beams in half precision keep fairseq's decoder
+        # step and encoder products: products in other shapes round differently, which moves
+        # float16 scores (float32 ones only in their last bits)
+        blocks = ([BlockDecoder(m.decoder, spec.compile, repacked=True)
                    for m in self.model.models] if block_steps(self.model) else [])
         self._steps = (blocks, policy in RAGGED, bool(blocks) and all(b.lean for b in blocks)
                        and spec.print_alignment is None)
         self._choose_steps()
+        self.encoders = LeanEncoders(self.model)
         budget = budget or Budget(max_candidates=spec.stream_candidates)  # the task gives its run's budget
         self.scheduler = Scheduler(policy, budget, spec.refill_eps, spec.max_wait_steps)
         self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
@@ -228,6 +229,7 @@ class StreamBeamGenerator(SequenceGenerator):
         self._choose_steps()
         for block in self.blocks:
             block.start_call(n_sources)
+        self.encoders.start_call(n_sources if self.blocks else 0)
 
     def _choose_steps(self) -> None:
         """Lean block steps where the layers allow them, for fixed beams only with models in full
@@ -288,7 +290,7 @@ class StreamBeamGenerator(SequenceGenerator):
         if not self.mergeable:  # fairseq's LSTM encoder packs its input with enforce_sorted: longest first
             new = sorted(new, key=lambda i: -srcs.lengths[i])
         t = time.perf_counter()
-        enc = forward_encoder(self.model, srcs.subset_input(new))
+        enc = self.encoders(srcs.subset_input(new))
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
         device, dtype = srcs.device, torch.float32

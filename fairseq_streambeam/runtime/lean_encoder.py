@@ -5,8 +5,9 @@ MultiheadAttention.forward into torch's general `F.multi_head_attention_forward`
 mask canonicalisation, bias concatenation and chunking on every call). `encode` calls the products
 that path ends in, with the same inputs in the same time-major layout (the key padding as an
 additive -inf mask [B, H, 1, S] for `scaled_dot_product_attention`): its output equals fairseq's
-bit for bit (tests/test_lean_encoder.py), in less time (docs/benchmarks.md). Encoders with an
-option it does not implement (`supports_lean_encoder`) keep fairseq's forward.
+bit for bit (tests/test_lean_encoder.py), in less time (docs/benchmarks.md); generators multiply
+by repacked weights (`LeanEncoders`). Encoders with an option it does not implement
+(`supports_lean_encoder`) keep fairseq's forward.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from torch import Tensor
 
-from .lean_layer import applies_dropout, feed_forward, layer_modules, linear, plain_attention, plain_modules, sublayer
+from .lean_layer import (
+    RepackedLinears,
+    applies_dropout,
+    feed_forward,
+    layer_modules,
+    linear,
+    plain_attention,
+    plain_modules,
+    sublayer,
+)
 
 
 def _layer_support(layer) -> bool:
@@ -44,8 +54,9 @@ def supports_lean_encoder(encoder) -> bool:
             and not applies_dropout(encoder))
 
 
-def encode(encoder, net_input: Dict[str, Tensor]) -> Dict[str, List[Tensor]]:
-    """`encoder.forward_torchscript(net_input)`, through the lean path when it is supported."""
+def encode(encoder, net_input: Dict[str, Tensor], lin=linear) -> Dict[str, List[Tensor]]:
+    """`encoder.forward_torchscript(net_input)`, through the lean path when it is supported, its
+    products by `lin` (`linear`: fairseq's bits; or a RepackedLinears over the modules)."""
     if not supports_lean_encoder(encoder):
         return encoder.forward_torchscript(net_input)
     src_tokens = net_input["src_tokens"]
@@ -64,7 +75,7 @@ def encode(encoder, net_input: Dict[str, Tensor]) -> Dict[str, List[Tensor]]:
         heads = layer.self_attn.num_heads
         if heads not in masks:
             masks[heads] = _key_mask(pad, heads, x.dtype) if has_pads else None
-        x = _layer(layer, x, masks[heads])
+        x = _layer(layer, x, masks[heads], lin)
     if encoder.layer_norm is not None:
         x = encoder.layer_norm(x)
     lengths = src_tokens.ne(encoder.padding_idx).sum(dim=1, dtype=torch.int32).reshape(-1, 1).contiguous()
@@ -72,9 +83,24 @@ def encode(encoder, net_input: Dict[str, Tensor]) -> Dict[str, List[Tensor]]:
             "encoder_states": [], "fc_results": [], "src_tokens": [], "src_lengths": [lengths]}
 
 
-def forward_encoder(ensemble, net_input: Dict[str, Tensor]) -> Optional[List[Dict[str, List[Tensor]]]]:
-    """`EnsembleModel.forward_encoder`: one encoder output per model, each through `encode`."""
-    return [encode(model.encoder, net_input) for model in ensemble.models] if ensemble.has_encoder() else None
+class LeanEncoders:
+    """`EnsembleModel.forward_encoder` for a generator: one output per model, each through `encode`,
+    its products by copies of the weights in the CPU's fastest layout in generate calls over many
+    sources (RepackedLinears), as the decoder step's are."""
+
+    def __init__(self, ensemble):
+        self.ensemble = ensemble
+        self.lins = [RepackedLinears(linear) for _ in ensemble.models]
+
+    def start_call(self, n_sources: int) -> None:
+        """A generate call over `n_sources` sources begins (0: fairseq's products, bit for bit)."""
+        for lin in self.lins:
+            lin.refresh(n_sources)
+
+    def __call__(self, net_input: Dict[str, Tensor]) -> Optional[List[Dict[str, List[Tensor]]]]:
+        if not self.ensemble.has_encoder():
+            return None
+        return [encode(model.encoder, net_input, lin) for model, lin in zip(self.ensemble.models, self.lins)]
 
 
 def _key_mask(pad: Tensor, heads: int, dtype) -> Tensor:
@@ -84,13 +110,13 @@ def _key_mask(pad: Tensor, heads: int, dtype) -> Tensor:
     return add.expand(b, heads, 1, s)
 
 
-def _layer(layer, x: Tensor, mask: Optional[Tensor]) -> Tensor:
+def _layer(layer, x: Tensor, mask: Optional[Tensor], lin) -> Tensor:
     x = sublayer(layer.normalize_before, layer.self_attn_layer_norm, x,
-                 lambda y: (_self_attention(layer.self_attn, y, mask),))[0]
-    return feed_forward(layer, x)
+                 lambda y: (_self_attention(layer.self_attn, y, mask, lin),))[0]
+    return feed_forward(layer, x, lin)
 
 
-def _self_attention(mha, x: Tensor, mask: Optional[Tensor]) -> Tensor:
+def _self_attention(mha, x: Tensor, mask: Optional[Tensor], lin) -> Tensor:
     t, b, c = x.shape
     h = mha.num_heads
     d = c // h
@@ -98,7 +124,7 @@ def _self_attention(mha, x: Tensor, mask: Optional[Tensor]) -> Tensor:
     def heads(p: Tensor) -> Tensor:  # [T, B, C] -> [B, H, T, d], the layout torch's path gives SDPA
         return p.view(t, b * h, d).transpose(0, 1).view(b, h, t, d)
 
-    q, k, v = heads(linear(mha.q_proj, x)), heads(linear(mha.k_proj, x)), heads(linear(mha.v_proj, x))
+    q, k, v = heads(lin(mha.q_proj, x)), heads(lin(mha.k_proj, x)), heads(lin(mha.v_proj, x))
     out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, False)
     out = out.permute(2, 0, 1, 3).contiguous().view(b * t, c)
-    return linear(mha.out_proj, out).view(t, b, c)
+    return lin(mha.out_proj, out).view(t, b, c)

@@ -74,22 +74,23 @@ def plain_projection(m: nn.Linear) -> SimpleNamespace:
 
 
 class RepackedLinears:
-    """`plain_linear` over copies of the weights in the layout a CPU multiplies fastest: oneDNN's
-    packed layout for float32, else the weight transposed ([in, out], contiguous, for MKL); faster
-    than fairseq's products for a step's rows (docs/benchmarks.md, "What the engine's parts save").
-    The products round differently from fairseq's, so fixed beams, which equal fairseq's output bit
-    for bit, keep `plain_linear`.
+    """`fallback` (`plain_linear` over plain projections, `linear` over modules) computed by copies
+    of the weights in the layout a CPU multiplies fastest: oneDNN's packed layout for float32, else
+    the weight transposed ([in, out], contiguous, for MKL); faster than fairseq's products for a
+    step's rows and an encoder's tokens (docs/benchmarks.md, "What the engine's parts save"). The
+    products round otherwise than fairseq's, in a score's last float32 bits.
 
     The copies are dropped by `refresh`, which generators call at the start of each generate call:
     weights may change between calls in ways a tensor does not record (fairseq's optimizers write
     `param.data`). Copying costs a pass over the weights, which pays back over many sources only,
-    so a call over fewer than `MIN_SOURCES` sources (the hub's, a few sentences) keeps `plain_linear`."""
+    so a call over fewer than `MIN_SOURCES` sources (the hub's, a few sentences) keeps `fallback`."""
 
     MIN_SOURCES = 16
 
-    def __init__(self):
+    def __init__(self, fallback=plain_linear):
         self._copies: Dict[int, tuple] = {}
         self.active = False
+        self.fallback = fallback
         # float32 copies in oneDNN's layout where this torch build has its linear (else transposed)
         self.onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -98,10 +99,10 @@ class RepackedLinears:
         self._copies.clear()
         self.active = n_sources >= self.MIN_SOURCES
 
-    def __call__(self, module: SimpleNamespace, x: Tensor) -> Tensor:
+    def __call__(self, module, x: Tensor) -> Tensor:
         w = module.weight
         if not self.active or not x.is_cpu or torch.is_grad_enabled():
-            return plain_linear(module, x)
+            return self.fallback(module, x)
         copy = self._copies.get(id(module))
         if copy is None or copy[0] is not w:
             onednn = w.dtype == torch.float32 and self.onednn and torch.backends.mkldnn.enabled
