@@ -88,7 +88,8 @@ def test_online_aggressive_equals_offline():
 def test_online_reads_the_models_as_they_are_when_built(decoding):
     """A parameter replaced after an offline generate call is what a later online decoder decodes
     with (the generator reads the models afresh, as each generate call does), and the online
-    decoder takes the same lean plain-attribute path."""
+    decoder takes the same lean plain-attribute path, multiplying by copies of the weights made
+    when it is built, however few its sources."""
     models = [random_transformer(D, 34).double()]
     sample = make_sample(D, SENTS)
     kw = dict(decoding=decoding, max_len_b=14)
@@ -100,6 +101,7 @@ def test_online_reads_the_models_as_they_are_when_built(decoding):
     fc1.weight = torch.nn.Parameter(torch.randn_like(fc1.weight) * 3)  # a new object
     online, _ = _online(gen, [2, 0, 3])
     assert gen.blocks[0].call_math is not None
+    assert gen.blocks[0].repacked._copies and gen.encoders.lins[0]._copies
     assert_same_hypos(online, _offline(lambda smp: make().generate(models, smp)), atol=1e-6, msg=decoding)
 
 

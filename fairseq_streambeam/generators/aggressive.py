@@ -148,7 +148,7 @@ class AggressiveGenerator(SequenceGenerator):
 
     def start_call(self, n_sources: int) -> None:
         """Read the models as they are now, for a generate call over `n_sources` sources or an online
-        decoder (0)."""
+        decoder (sys.maxsize)."""
         for block in self.blocks:
             block.start_call(n_sources)
         self.encoders.start_call(n_sources)

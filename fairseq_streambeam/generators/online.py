@@ -5,12 +5,14 @@ time (`add`); each `step` admits waiting sources when the generator's scheduler 
 cohort and returns the sources that finished, with their hypotheses. A source's output is the one
 offline decoding gives it: every source evolves independently of the others (runtime/driver.py).
 This is what a server's decoding loop drives (serve.py); it is not thread-safe, so one thread owns it.
-The models are read as they are when it is built (the generator's `start_call`): convert them, or
-change their weights, before building it.
+The models are read as they are when it is built (the generator's `start_call`, over sources
+without end: on the CPU their weights are copied into the layout it multiplies fastest, once for the
+decoder's life): convert them, or change their weights, before building it.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -76,7 +78,7 @@ class OnlineDecoder:
             raise ValueError("online decoding takes no per-sentence scorers (LMBR posteriors, token masks): "
                              "they are keyed by sentence ids of a test set")
         self.gen = generator
-        generator.start_call(0)
+        generator.start_call(sys.maxsize)  # sources without end: the models read once
         device = next(generator.model.models[0].parameters()).device
         self.srcs = OnlineSources(generator.pad, device)
         self.results: Dict[int, List[Dict[str, Tensor]]] = defaultdict(list)

@@ -225,7 +225,7 @@ class StreamBeamGenerator(SequenceGenerator):
 
     def start_call(self, n_sources: int) -> None:
         """Read the models as they are now (they may have been converted, e.g. model.half(), or given
-        new parameters) for a generate call over `n_sources` sources, or an online decoder (0)."""
+        new parameters) for a generate call over `n_sources` sources, or an online decoder (sys.maxsize)."""
         self._choose_steps()
         for block in self.blocks:
             block.start_call(n_sources)
