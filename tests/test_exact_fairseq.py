@@ -1,8 +1,11 @@
 """Invariant 1: --decoding beam (and fixed-stream, fairseq finalization) == fairseq's SequenceGenerator."""
 
+import sys
+
 import pytest
 import torch
 from helpers import (
+    REPO,
     assert_same_hypos,
     fairseq_generate,
     load_checkpoints,
@@ -11,6 +14,7 @@ from helpers import (
     ours,
     random_sentences,
     random_transformer,
+    run_cli,
     shared_path,
 )
 
@@ -125,6 +129,16 @@ def test_deen_tiny_ensemble_matches_fairseq(deen):
     got, gen = ours(models, d, s, beam_size=5)
     assert_same_hypos(ref, got)
     assert all(b.repacked._copies for b in gen.blocks) and all(lin._copies for lin in gen.encoders.lins)
+
+
+def test_agreement_script_reports_deen_tiny_equal_to_fairseq():
+    """scripts/fairseq_agreement.py (the docs' exactness figures over whole test sets) decodes 16
+    sentences, a call on repacked weights, and finds every hypothesis equal to fairseq's."""
+    root = shared_path("models", "deen-tiny")
+    r = run_cli([sys.executable, str(REPO / "scripts" / "fairseq_agreement.py"), "--data", str(root / "data-bin"),
+                 "--path", str(root / "checkpoint_best.pt"), "-s", "de", "-t", "en", "--beam", "3", "--limit", "16"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "best hypothesis 16/16, every hypothesis in order 16/16" in r.stdout, r.stdout
 
 
 def test_enja_toy_matches_fairseq():
