@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import malloc
 from .spec import DECODINGS, PAPER_DELTA, PAPER_M, DecodeSpec, UsageError, checkpoint_files
 
 Prune = Tuple[float, int, int]  # (delta, M, finish count)
@@ -569,6 +570,7 @@ def heldout(cal: Calibrator, chosen: Setting) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse_args(argv)
+    malloc.retain_freed_memory()
     t0 = time.perf_counter()
     for name in ("fairseq", "fairseq_streambeam", "matplotlib"):  # one line per decode is printed instead
         logging.getLogger(name).setLevel(logging.WARNING)

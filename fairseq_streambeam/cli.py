@@ -19,6 +19,8 @@ import threading
 import time
 from typing import List, Optional
 
+from . import malloc
+
 # the directory fairseq's import_user_module finds in this package's __path__ (so it imports nothing twice)
 PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
 TASK = "streambeam_translation"
@@ -62,6 +64,7 @@ def _fairseq_command(interactive: bool) -> None:
     sys.argv = with_plugin(sys.argv)
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         _show_help_with_task_options(interactive)
+    malloc.retain_freed_memory()
     if interactive:
         from fairseq_cli.interactive import cli_main
     else:

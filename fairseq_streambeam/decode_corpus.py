@@ -26,6 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from . import malloc
 from .frontend import (
     DefaultsHelp,
     add_generation_options,
@@ -326,6 +327,7 @@ class ShardDecoder:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    malloc.retain_freed_memory()
     try:
         return decode(args)
     except UsageError as e:  # found while decoding, e.g. --min-len above a line's length limit

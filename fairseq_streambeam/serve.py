@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import malloc
 from .frontend import (
     DefaultsHelp,
     add_generation_options,
@@ -652,6 +653,7 @@ def listen_problem(host: str, port: int, error: Optional[OSError] = None) -> Opt
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    malloc.retain_freed_memory()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     logging.getLogger("asyncio").setLevel(logging.WARNING)  # fairseq's logging setup lets its debug lines through
     from .loader import wants_cuda

@@ -22,6 +22,7 @@ import torch
 from fairseq import utils
 from tqdm import tqdm
 
+from .. import malloc
 from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, check_files, model_files_problem
 from ..textio import file_problem
 from .data import CorpusOrder, Head, add_input_args, from_data_bin, from_raw
@@ -156,6 +157,7 @@ def main(argv=None):
     threads = settings["threads"]
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    kept = malloc.retain_freed_memory()  # as the streambeam-* commands do, for every method alike
     import sacrebleu
 
     from fairseq_streambeam.loader import load_models, load_task, wants_cuda
@@ -167,7 +169,8 @@ def main(argv=None):
     except OSError as e:
         raise UsageError(f"--out {args.out}: cannot create it ({e.strerror})") from None
     print(f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
-          f"(set explicitly) | {platform.machine()} | torch {torch.__version__} | "
+          f"(set explicitly) | malloc: {'freed memory kept' if kept else 'unchanged'} | "
+          f"{platform.machine()} | torch {torch.__version__} | "
           f"{'cuda' if use_cuda else 'cpu'}{' | fp16' if settings['fp16'] else ''}", flush=True)
 
     task = load_task(args.data, args.source_lang, args.target_lang)
@@ -257,8 +260,9 @@ def main(argv=None):
             traces[v.name] = c.trace
     table = markdown_table(rows)
     print("\n" + table)
-    meta = {"settings": settings, "sentences": n, "threads": threads, "device": "cuda" if use_cuda else "cpu",
-            "torch": torch.__version__, "data": args.src or f"{args.data}:{args.gen_subset}", "path": args.path}
+    meta = {"settings": settings, "sentences": n, "threads": threads, "malloc_kept": kept,
+            "device": "cuda" if use_cuda else "cpu", "torch": torch.__version__,
+            "data": args.src or f"{args.data}:{args.gen_subset}", "path": args.path}
     (out_dir / "results.json").write_text(json.dumps({**meta, "rows": rows, "step_traces": traces}, indent=1))
     (out_dir / "results.md").write_text(table + "\n")
     if not args.no_plots:
