@@ -327,7 +327,6 @@ class Calibrator:
             if problem:
                 raise CalibrationError(problem)
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "posteriors").mkdir(exist_ok=True)
         self.cache_file = self.out / "decodes.jsonl"
         self.cache: Dict[str, dict] = {}
         if self.cache_file.exists():
@@ -370,6 +369,7 @@ class Calibrator:
         # keyed by the fingerprint too: another --range, --limit or evidence file gets its own file
         path = self.out / "posteriors" / f"{name}.alpha={alpha:g}.{self._key(Setting(), ts)[:12]}.jsonl"
         if not path.exists():
+            path.parent.mkdir(exist_ok=True)
             post = self.evidence.posteriors(alpha)
             covered = {i: post[o] for i, o in enumerate(ts.orig_ids) if o in post}
             if not covered:  # evidence of another split: LMBR would tune on nothing
@@ -533,20 +533,22 @@ def write_outputs(cal: Calibrator, base: Setting, chosen: Optional[Setting], see
         opts = chosen.options(a)
         (out / "best.args").write_text(" ".join(opts) + "\n")
         (out / "best.hyp").write_text("".join(x + "\n" for x in cal.hyps(chosen)))
-        (out / "best.json").write_text(json.dumps(bench_config(a, chosen, seen[chosen]), indent=1) + "\n")
+        (out / "best.json").write_text(json.dumps(bench_config(a, chosen, seen[chosen], len(cal.dev.dataset)),
+                                                    indent=1) + "\n")
     return table
 
 
-def bench_config(a: argparse.Namespace, s: Setting, o: Outcome) -> dict:
-    """The chosen setting as a config for `python -m fairseq_streambeam.bench --config`."""
+def bench_config(a: argparse.Namespace, s: Setting, o: Outcome, n_dev: int) -> dict:
+    """The chosen setting as a config for `python -m fairseq_streambeam.bench --config`; its comment
+    names the `n_dev` dev lines it was chosen on."""
     v: dict = {"name": "calibrated", "decoding": a.decoding if s.prune else ("beam" if DECODINGS[a.decoding].variable
                                                                            else a.decoding)}
     if s.prune:
         v.update(delta=s.prune[0], max_cands=s.prune[1], finish_count=s.prune[2])
-    config: dict = {"_comment": f"calibrated on {a.src or a.data + ':' + a.gen_subset} ({a.range or 'all lines'}), "
-                                f"dev BLEU {o.bleu:.2f}", "beam": a.beam, "lenpen": a.lenpen, "max_len_b": a.max_len_b,
-                    "batch_size": a.batch_size, "max_tokens": a.max_tokens, "baseline": "beam",
-                    "exact_ref": "beam", "variants": ["beam", v]}
+    config: dict = {"_comment": f"calibrated on {a.src or a.data + ':' + a.gen_subset} ({a.range or 'all lines'}: "
+                                f"{n_dev} lines), dev BLEU {o.bleu:.2f}",
+                    "beam": a.beam, "lenpen": a.lenpen, "max_len_b": a.max_len_b, "batch_size": a.batch_size,
+                    "max_tokens": a.max_tokens, "baseline": "beam", "exact_ref": "beam", "variants": ["beam", v]}
     if s.weights:
         v["lmbr"] = True
         config.update(_lmbr_alpha=s.weights[0], lmbr_lambda=s.weights[1], lmbr_theta0=s.weights[2], lmbr_p=a.lmbr_p,

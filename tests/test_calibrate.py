@@ -125,6 +125,8 @@ def test_calibrate_on_a_trained_model_resumes_and_round_trips(tiny_run, tmp_path
     assert [hyps[i] for i in range(N_TEST)] == (out / "best.hyp").read_text().splitlines()
     bench = json.loads((out / "best.json").read_text())
     assert bench["variants"][1]["delta"] == float(args[args.index("--prune-abs-threshold") + 1])
+    assert f": {N_TEST} lines), dev BLEU" in bench["_comment"]
+    assert not (out / "posteriors").exists()  # written with --nbest evidence only
 
     # a rerun decodes nothing: every outcome comes from decodes.jsonl
     def no_decoding(*a, **k):
