@@ -2,9 +2,10 @@
 
 A decoder step allocates and frees buffers of megabytes (logits, log-probs, caches). glibc's
 defaults give such buffers back to the kernel, by unmapping them or by trimming the heap's top, so
-the next step faults every page in again: about 0.6 s of page faults in deen-tiny's beam over 300
-sentences on the CPU (docs/benchmarks.md, "Memory kept by malloc"). Raising the mmap threshold to
-its maximum and the trim threshold out of reach keeps those pages in the process. The commands and
+a later step faults their pages in again: deen-tiny's beam over 300 sentences on the CPU takes
+587K page faults, 172K with this setting, and about 0.94x the time (docs/benchmarks.md, "What the
+engine's parts save"). Raising the mmap threshold to its maximum and the trim threshold out of
+reach keeps those pages in the process. The commands and
 the bench call this once, at start; a library imported into someone else's process does not
 (fairseq-generate --user-dir: set the environment variables below yourself).
 """
