@@ -1,9 +1,10 @@
 """Where a decoding's CPU time goes, by kind of work, sampled with Linux `perf`: matrix products,
-copies, softmax, top-k, Python, torch's dispatch, the allocator and the kernel. Runs the bench once per method
-(`python -m fairseq_streambeam.bench ... --methods M --repeats R`), each in its own process, samples
-it from the end of its first timed pass to the end of its last (loading, converting and warming up
-are left out), and gives each kind's share of a sampled pass in seconds. `ct2` (CTranslate2) is a method
-like the others, so the split shows where the plugin's step spends what CTranslate2's does not.
+copies, softmax, top-k, Python, torch's dispatch, the allocator and the kernel. Runs the bench once
+per method (`python -m fairseq_streambeam.bench ... --methods M --repeats R`), each in its own
+process, samples it from the end of its first timed pass to the end of its last (loading,
+converting and warming up are left out), and gives each kind's share of a sampled pass in seconds.
+`ct2` (CTranslate2) is a method like the others, so the split shows where the plugin's step spends
+what CTranslate2's does not.
 
   python scripts/cpu_split.py --methods beam,var-stream,ct2 --repeats 3 -- BENCH ARGS
 
