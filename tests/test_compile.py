@@ -16,6 +16,7 @@ from fairseq_streambeam import Budget, StreamBeamGenerator
 from fairseq_streambeam.drafters.input_copy import InputCopyDrafter
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.runtime.compiled import compiled_graphs
+from fairseq_streambeam.runtime.lean_layer import RepackedLinears
 from fairseq_streambeam.spec import DecodeSpec, UsageError
 
 D = make_dict(30)
@@ -70,6 +71,20 @@ def test_beam_decodings_compiled_equal_eager(compile_model, decoding, order, ind
         return
     assert first >= 1 and first + more <= GRAPHS_PER_DECODING
     assert more <= 2  # structures the first sources did not meet (e.g. a single row)
+
+
+def test_compiled_layers_keep_the_repacked_output_projection(compile_model):
+    """With --compile on the CPU the output projection still multiplies by the generate call's
+    copies of its weight (RepackedLinears, over at least MIN_SOURCES sources): inductor compiles
+    the layers only, and fairseq's F.linear there is MKL's product (slower on some CPUs)."""
+    model = compile_model
+    n = RepackedLinears.MIN_SOURCES + 1
+    sample = make_sample(D, random_sentences(D, n, 47, max_len=14))
+    kw = dict(beam_size=4, decoding="beam", max_len_b=14)
+    gen = StreamBeamGenerator([model], D, budget=Budget(4), compile=True, **kw)
+    got = gen.generate([model], sample)
+    assert [b.repacked.active for b in gen.blocks] == [True]
+    assert_same_hypos(fairseq_generate([model], D, sample, beam_size=4, max_len_b=14), got, atol=1e-6)
 
 
 def test_caches_crossing_the_small_cache_size_add_no_graph(compile_model, monkeypatch):

@@ -78,14 +78,15 @@ class BlockDecoder:
     CUDA graphs on CUDA (runtime.graph_step; with `draft_blocks`, blocks of any width over caches
     of one row per source, as draft verification's, too). `repacked`: the lean layers and the
     output projection multiply by copies of the weights in the CPU's fastest layout in generate
-    calls over many sources (RepackedLinears; not with `compile`)."""
+    calls over many sources (RepackedLinears; with `compile` the output projection only: the
+    compiled layers take inductor's products)."""
 
     def __init__(self, decoder, compile: bool = False, repacked: bool = False, draft_blocks: bool = False):
         from fairseq.models.transformer import TransformerDecoderBase
 
         self.decoder = decoder
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
-        lin = RepackedLinears() if repacked and not compile and self.lean else None
+        lin = RepackedLinears() if repacked and self.lean else None
         self.repacked = lin
         self.compiled = CompiledLayerMath(decoder.layers) if compile and self.lean else None
         self.call_math: Optional[LayerMath] = None  # the eager lean math of this generate call (start_call)
