@@ -21,10 +21,8 @@ stages' outputs into the few files a run brings back: results.json, results.md, 
 from __future__ import annotations
 
 import argparse
-import base64
 import csv
 import functools
-import hashlib
 import io
 import json
 import re
@@ -79,10 +77,6 @@ def wheel_name_version(path: Path) -> tuple:
 
 
 # ---- slim-wheel ---------------------------------------------------------------------------------
-
-def _record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
 
 def slim_wheel(path: Path, prefixes: Sequence[str]) -> tuple:
     """Rewrite wheel `path` in place without the members under `prefixes` (and their RECORD rows).
