@@ -152,7 +152,8 @@ def check_at_parse_time(parser) -> None:
             if hasattr(ns, "buffer_size"):  # fairseq-interactive's parser (its --buffer-size)
                 refuse_id_keyed_files(spec)
             if hasattr(ns, "path") and hasattr(ns, "beam"):  # generate/interactive: the models load next
-                problem = model_files_problem(ns.data, (ns.source_lang, ns.target_lang), checkpoint_files(ns), "")
+                problem = _batch_limits_problem(ns) or model_files_problem(
+                    ns.data, (ns.source_lang, ns.target_lang), checkpoint_files(ns), "")
                 bpe = getattr(ns, "bpe", None)
                 if problem is None and bpe in BPE_FILES and (
                         hasattr(ns, "sentencepiece_model") or hasattr(ns, "bpe_codes")):  # fairseq's last pass
@@ -171,6 +172,16 @@ def check_at_parse_time(parser) -> None:
     # argparse's mistakes in the task's options (a bad choice, a bad number) and unknown options in
     # one line too, not after fairseq's usage; fairseq's own options are parsed before add_args runs
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _batch_limits_problem(ns) -> Optional[str]:
+    """A --batch-size or --max-tokens below 1: fairseq batches without that limit then (the whole
+    set in one batch), which is never what was meant."""
+    for name in ("batch_size", "max_tokens"):
+        value = getattr(ns, name, None)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    return None
 
 
 def _results_path_problem(path: Optional[str]) -> Optional[str]:

@@ -52,6 +52,8 @@ CASES = [
     (["--decoding", "beam", "--lmbr-posteriors", "{text}"], "needs a tuned --lmbr-lambda (the defaults lower"),
     (["--decoding", "iad", "--lmbr-posteriors", "{text}"], "applies to the beam decodings, not --decoding iad"),
     (["--decoding", "beam", "--beam", "0"], "--beam must be >= 1, got 0"),
+    (["--decoding", "var-stream", "--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["--decoding", "beam", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     (["--decoding", "iad", "--beam", "0"], "--beam must be >= 1, got 0"),
     (["--decoding", "beam", "--lenpen", "nan"], "--lenpen must be a number, got nan"),
     (["--decoding", "var-stream", "--unkpen", "nan"], "--unkpen must be a number, got nan"),
