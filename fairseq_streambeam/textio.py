@@ -53,6 +53,15 @@ def file_problem(flag: str, path: str) -> Optional[str]:
     return f"{flag} {path}: {'not a regular file' if os.path.exists(path) else 'no such file'}"
 
 
+def output_problem(flag: str, path: str) -> Optional[str]:
+    """Why a file cannot be written at `path`, given as `flag`, in one line (None: it can be tried):
+    a directory there, or no directory to hold it."""
+    if os.path.isdir(path):
+        return f"{flag} {path}: a directory, not a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    return None if os.path.isdir(parent) else f"{flag} {path}: no such directory {parent}"
+
+
 def tokenizers() -> List[str]:
     """The --tokenizer choices: none and fairseq's registered tokenizers."""
     import fairseq.data.encoders  # noqa: F401  (registers them)

@@ -125,16 +125,21 @@ def test_raw_text_is_segmented_with_sentencepiece(tmp_path):
     ("H-0\tnan?\tw1\n", [], "moses.bad:1: score 'nan?' is not a number"),
     ("w1\n", ["--n", "1", "--bpe", "sentencepiece"], "--bpe sentencepiece needs --sentencepiece-model"),
     ("w1\n", ["--n", "1", "--weights", "1,2"], "2 weights for 1 evidence files"),
+    ("w1\n", ["--n", "1", "--alpha", "-1"], "--alpha must be >= 0, got -1.0"),
+    ("w1\n", ["--n", "1", "--out", "{tmp}/no/p.jsonl"], "p.jsonl: no such directory"),
+    ("w1\n", ["--n", "1", "--write-vocab-masks", "{tmp}"], ": a directory, not a file"),
 ])
 def test_bad_evidence_is_a_one_line_error(tmp_path, content, args, message):
     f = tmp_path / "moses.bad"
     f.write_text(content)
     D.save(str(tmp_path / "dict.txt"))
-    r = run_cli([str(BIN / "python"), "-m", "fairseq_streambeam.scorers.build_posteriors", "--nbest", str(f), *args,
-                 "--dict", str(tmp_path / "dict.txt"), "--out", str(tmp_path / "p.jsonl")])
+    args = [a.format(tmp=tmp_path) for a in args]
+    r = run_cli([str(BIN / "python"), "-m", "fairseq_streambeam.scorers.build_posteriors", "--nbest", str(f),
+                 "--dict", str(tmp_path / "dict.txt"), "--out", str(tmp_path / "p.jsonl"), *args])
     assert r.returncode == 2
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert "Traceback" not in r.stderr and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
+    assert not (tmp_path / "p.jsonl").exists()
 
 
 # ---- tuning (fairseq_streambeam.calibrate; its own tests: test_calibrate.py) -----------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 
 import pytest
@@ -70,6 +71,23 @@ def test_calibrate_tokenizes_evidence_in_the_target_language(tmp_path):
                     "--nbest", str(ev), "--n", "1"])
     _, summary = load_evidence(a, d)
     assert summary.endswith("; 0 of 4 evidence units not in the dictionary (mapped to unk)")  # "3" would be one
+
+
+def test_evidence_mostly_outside_the_dictionary_asks_for_segmentation(tmp_path):
+    """Raw text given as evidence for a subword model maps most units to unk: the summary says so
+    and names the segmentation options; evidence in the model's units does not get the hint."""
+    from fairseq_streambeam.scorers.build_posteriors import UNKNOWN_SHARE, add_evidence_args, load_evidence
+
+    d = Dictionary()
+    for w in "▁the ▁cat".split():
+        d.add_symbol(w)
+    p = argparse.ArgumentParser()
+    add_evidence_args(p)
+    for text, hinted in (("▁the ▁cat\n", False), ("the cat\n", True)):
+        (tmp_path / "n.txt").write_text(text, encoding="utf-8")
+        _, summary = load_evidence(p.parse_args(["--nbest", str(tmp_path / "n.txt"), "--n", "1"]), d)
+        assert summary.endswith(f"more than {UNKNOWN_SHARE:.0%}; segment the evidence as the model's text "
+                                "(--tokenizer, --bpe)") == hinted, summary
 
 
 def test_distill_pairs_lines_split_at_newlines_only(tmp_path):

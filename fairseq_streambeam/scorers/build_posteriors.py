@@ -28,11 +28,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..textio import BPES, bpe_problem, read_lines, segment, text_pipeline, tokenizers
+from ..textio import BPES, bpe_problem, output_problem, read_lines, segment, text_pipeline, tokenizers
 from .lmbr import MAX_ORDER, NGram, write_posteriors
 
 H_LINE = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
 FORMATS = ("auto", "fairseq", "moses", "text")
+# a larger share of evidence units outside the dictionary is reported with a hint to segment the text
+UNKNOWN_SHARE = 0.05
 
 Entry = Tuple[Optional[float], List[str]]  # (natural-log score or None, hypothesis as text units)
 IdEntry = Tuple[Optional[float], List[int]]  # the same in dictionary ids
@@ -243,8 +245,11 @@ def load_evidence(args, d) -> Tuple[Evidence, str]:
         systems.append(ids)
         unknown, total = unknown + u, total + t
     ev = Evidence(systems, weights, args.max_order)
-    return ev, f"{len(ev.sources)} sentences from {len(systems)} system(s); {unknown} of {total} evidence units " \
-               "not in the dictionary (mapped to unk)"
+    summary = f"{len(ev.sources)} sentences from {len(systems)} system(s); {unknown} of {total} evidence units " \
+              "not in the dictionary (mapped to unk)"
+    if unknown > UNKNOWN_SHARE * total:  # raw text where the model's units were meant, most likely
+        summary += f": more than {UNKNOWN_SHARE:.0%}; segment the evidence as the model's text (--tokenizer, --bpe)"
+    return ev, summary
 
 
 def main(argv=None) -> int:
@@ -257,6 +262,13 @@ def main(argv=None) -> int:
     p.add_argument("--write-vocab-masks", help="also write --token-masks allowing only the evidence's tokens "
                                                "per sentence (a hard constraint, Iglesias et al. Alg. 1)")
     args = p.parse_args(argv)
+    problem = next(filter(None, (output_problem(flag, path) for flag, path in (
+        ("--out", args.out), ("--write-vocab-masks", args.write_vocab_masks)) if path)), None)
+    if not args.alpha >= 0:
+        problem = f"--alpha must be >= 0, got {args.alpha}"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     from fairseq.data import Dictionary
 
     try:
