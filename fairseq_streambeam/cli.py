@@ -12,6 +12,7 @@ task's options (fairseq's prints its help before it adds them, so `--decoding` w
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import queue
 import sys
@@ -60,8 +61,18 @@ def _show_help_with_task_options(interactive: bool) -> None:
     options.parse_args_and_arch(parser, modify_parser=add_task_options)
 
 
+class _AlreadyImported(logging.Filter):
+    """fairseq adapter: fairseq's import_user_module logs "--user-dir=... has already been imported"
+    at INFO when the plugin is in sys.modules, as it always is for these commands (they live in it):
+    a line before every one-line error and every run. Only that record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "has already been imported" not in record.getMessage()
+
+
 def _fairseq_command(interactive: bool) -> None:
     sys.argv = with_plugin(sys.argv)
+    logging.getLogger("fairseq.utils").addFilter(_AlreadyImported())
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         _show_help_with_task_options(interactive)
     malloc.retain_freed_memory()

@@ -133,6 +133,16 @@ def test_fairseq_option_mistakes_are_one_line(tmp_path):
         assert len(errors) == 1 and text in errors[0], (args, r.stderr[-2000:])
 
 
+def test_a_usage_error_is_the_only_line(tmp_path):
+    """Nothing stands before an option error: fairseq's "--user-dir ... has already been imported"
+    notice (the commands import the plugin themselves) is dropped (cli._AlreadyImported)."""
+    m = shared_path("models", "deen-tiny")
+    r = run_cli([command("streambeam-generate"), str(m / "data-bin"), "--path", str(m / "checkpoint_best.pt"),
+                 "-s", "de", "-t", "en", "--beam", "0"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "streambeam-generate: error: --beam must be >= 1, got 0"], r.stderr[-2000:]
+
+
 def test_an_error_found_while_decoding_is_one_line_with_a_data_loader_worker(tmp_path):
     """fairseq-generate's data-loader worker (--num-workers 1, its default) printed a
     ConnectionResetError traceback after the one-line error in most runs: the process ended
