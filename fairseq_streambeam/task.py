@@ -275,6 +275,9 @@ class RunReport:
         for name, counters in self.totals().items():
             if counters.sentences:
                 logger.info("streambeam %s: %s", name, counters.summary())
+            if counters.sentences and counters.unscored_sources == counters.sentences:
+                logger.warning("streambeam %s: no sentence had a record in --lmbr-posteriors or --token-masks: "
+                               "are they keyed by this split's sentence ids?", name)
 
 
 def attach_to_hub(hub, **options):

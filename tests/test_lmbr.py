@@ -24,6 +24,7 @@ from helpers import (
 from fairseq_streambeam import Budget
 from fairseq_streambeam.scorers.build_posteriors import Evidence, read_evidence
 from fairseq_streambeam.scorers.lmbr import MAX_ORDER, LMBRScorer, Theta, load_posteriors, write_posteriors
+from fairseq_streambeam.scorers.masks import TokenMaskScorer
 
 
 def reference_score(post: dict, theta: Theta, lam: float, history, word: int, lprob: float) -> float:
@@ -399,3 +400,35 @@ def test_a_malformed_scorer_file_is_one_line_from_the_command(tiny_run, tmp_path
     errors = [x for x in r.stderr.splitlines() if "error:" in x]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(errors) == 1 and f"{masks}:1: not a mask record" in errors[0], r.stderr[-2000:]
+
+
+def test_sources_without_a_record_are_counted():
+    """Posteriors keyed by other ids (another split's) decode silently without evidence; the
+    counters say how many sources had no record, and the summary line names them."""
+    rng = random.Random(5)
+    kept = {0, 3, 5}
+    posts = {i: _random_posteriors(rng, 6) for i in kept}
+    masks = TokenMaskScorer({i: ("allow", list(range(len(D)))) for i in range(len(SENTS)) if i != 3}, EOS, PAD)
+    _, gen = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="var-stream", budget=Budget(3),
+                  scorers=[LMBRScorer(posts, THETA, 0.5, PAD)])
+    assert gen.counters.unscored_sources == len(SENTS) - len(kept)
+    assert gen.counters.summary().endswith(f", {len(SENTS) - len(kept)} without a scorer record")
+    _, gen = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="var-batch",
+                  scorers=[LMBRScorer(posts, THETA, 0.5, PAD), masks])
+    assert gen.counters.unscored_sources == len(SENTS) - len(kept) + 1  # 3 has posteriors but no mask
+    _, gen = ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12, decoding="beam", scorers=[masks])
+    assert gen.counters.unscored_sources == 1
+    assert "scorer record" not in ours([MODEL], D, SAMPLE, beam_size=4, max_len_b=12)[1].counters.summary()
+
+
+def test_posteriors_for_no_decoded_sentence_are_warned_about(tiny_run, tmp_path):
+    from helpers import BIN, run_cli
+
+    data, ckpt = tiny_run
+    post = tmp_path / "p.jsonl"
+    write_posteriors(post, {10_000 + i: {(4,): 0.5} for i in range(N_TEST)})
+    r = run_cli([str(BIN / "streambeam-generate"), str(data), "--path", str(ckpt), "-s", "src", "-t", "tgt",
+                 "--gen-subset", "test", "--cpu", "--batch-size", "4", "--decoding", "var-stream",
+                 "--lmbr-posteriors", str(post)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "without a scorer record" in r.stderr and "no sentence had a record in --lmbr-posteriors" in r.stderr

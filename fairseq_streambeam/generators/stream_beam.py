@@ -294,7 +294,11 @@ class StreamBeamGenerator(SequenceGenerator):
         self.counters.model_seconds += time.perf_counter() - t
         self.counters.encoder_calls += 1
         device, dtype = srcs.device, torch.float32
-        state = None if self.scorer is None else self.scorer.start([srcs.sentence_ids[i] for i in new], device)
+        state = None
+        if self.scorer is not None:
+            ids = [srcs.sentence_ids[i] for i in new]
+            self.counters.unscored_sources += self.scorer.missing(ids)
+            state = self.scorer.start(ids, device)
         beams = Beams.start(len(new), bos, device, dtype, state)
         prefix = None
         if prefix_tokens is not None:

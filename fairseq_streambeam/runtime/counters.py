@@ -13,6 +13,7 @@ class Counters:
     expansions: int = 0  # candidate rows expanded by the decoder (aggressive: block slots computed), summed over steps
     encoder_calls: int = 0
     backoff_hypotheses: int = 0  # sources that ended with no finished hypothesis and took the backoff stack's
+    unscored_sources: int = 0  # sources an LMBR posteriors or token masks file has no record for
     # wall-clock seconds: model (encoder and decoder calls), of which draft (the drafter proposing
     # blocks, aggressive decoding), and total (whole generate calls)
     model_seconds: float = 0.0
@@ -82,8 +83,9 @@ class Counters:
         if not self.decoder_steps:  # fairseq's own generator: only sentences and time are counted
             return f"{d['sentences']} sentences, {d['sentences_per_second']} sentences/s"
         accepted = f", {d['accepted_per_pass']} tokens accepted per row and pass" if d["accepted_tokens"] else ""
+        unscored = f", {self.unscored_sources} without a scorer record" if self.unscored_sources else ""
         return (
             f"{d['sentences']} sentences, {d['decoder_steps']} decoder steps, {d['expansions']} expansions "
             f"({d['expansions_per_step']} per step){accepted}, {d['sentences_per_second']} sentences/s, "
-            f"model {self.model_seconds:.2f}s + bookkeeping {d['bookkeeping_seconds']:.2f}s"
+            f"model {self.model_seconds:.2f}s + bookkeeping {d['bookkeeping_seconds']:.2f}s{unscored}"
         )

@@ -25,6 +25,10 @@ class Scorer(Protocol):
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
         """State after appending `tokens` [N] (pad = a finished candidate carried unchanged)."""
 
+    def has_record(self, sentence_id: int) -> bool:
+        """Whether the scorer's file has a record for this sentence (a sentence without one is
+        decoded without its evidence or mask). Optional: a scorer without it has none to miss."""
+
 
 class ScorerStack:
     def __init__(self, scorers: Sequence[Scorer]):
@@ -36,6 +40,11 @@ class ScorerStack:
 
     def start(self, sentence_ids: Sequence[int], device: torch.device) -> Tensor:
         return torch.stack([s.start(sentence_ids, device) for s in self.scorers], 1)
+
+    def missing(self, sentence_ids: Sequence[int]) -> int:
+        """How many of these sentences some scorer has no record for (Scorer.has_record)."""
+        checks = [s.has_record for s in self.scorers if hasattr(s, "has_record")]
+        return sum(not all(has(int(sid)) for has in checks) for sid in sentence_ids)
 
     def score(self, lprobs: Tensor, state: Tensor) -> Tensor:
         for k, s in enumerate(self.scorers):

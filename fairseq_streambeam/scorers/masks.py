@@ -41,6 +41,9 @@ class TokenMaskScorer:
         self.rows: List[Tuple[bool, List[int]]] = []
         self.table = self.allow = None
 
+    def has_record(self, sentence_id: int) -> bool:
+        return sentence_id in self.masks
+
     def start(self, sentence_ids: Sequence[int], device: torch.device) -> Tensor:
         ids = []
         for sid in sentence_ids:
