@@ -14,7 +14,7 @@
 #   --decoder-layers N --minutes M --lines N (first N training lines; 0 = all) --beam B
 #   --device cpu|cuda (fairseq-train's device; default cpu. Distillation uses CUDA when torch sees it)
 #   Anything after `--` goes to fairseq-train (e.g. -- --arch block_drafter --encoder-embed-dim 512).
-# Environment: NPROC (distillation workers, default 2), THREADS (per worker, default 1), PYTHON.
+# Environment: NPROC (distillation workers, default 2), THREADS (per worker, default 1), PYTHON, STREAMBEAM_SHARED (read instead of ../shared).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 shared="${STREAMBEAM_SHARED:-$here/../shared}"
