@@ -127,13 +127,18 @@ def install_usage_error_hook() -> None:
     sys.excepthook = hook
 
 
-def refuse_id_keyed_files(spec) -> None:
-    """fairseq-interactive numbers its input lines itself, so files keyed by a data-bin split's
-    sentence ids (LMBR posteriors, token masks) would score the wrong sentences."""
+def refuse_in_interactive(spec, print_alignment: Optional[str]) -> None:
+    """What fairseq-interactive cannot do: files keyed by a data-bin split's sentence ids (LMBR
+    posteriors, token masks: it numbers its input lines itself, so they would score the wrong
+    sentences), and soft alignments (fairseq 0.12.3's interactive.py unpacks hard ones only: a
+    ValueError after the models load, with `--decoding fairseq` too)."""
     for flag, value in (("--lmbr-posteriors", spec.lmbr_posteriors), ("--token-masks", spec.token_masks)):
         if value:
             raise UsageError(f"{flag} keys sentences by their id in a data-bin split; fairseq-interactive "
                              "numbers its input lines itself: use fairseq-generate (streambeam-generate)")
+    if print_alignment == "soft":
+        raise UsageError("--print-alignment soft: fairseq-interactive prints hard alignments only; use "
+                         "--print-alignment hard, or fairseq-generate (streambeam-generate)")
 
 
 def check_at_parse_time(parser) -> None:
@@ -150,7 +155,7 @@ def check_at_parse_time(parser) -> None:
         try:
             spec = from_cli(ns, ns)
             if hasattr(ns, "buffer_size"):  # fairseq-interactive's parser (its --buffer-size)
-                refuse_id_keyed_files(spec)
+                refuse_in_interactive(spec, getattr(ns, "print_alignment", None))
             if hasattr(ns, "path") and hasattr(ns, "beam"):  # generate/interactive: the models load next
                 problem = _batch_limits_problem(ns) or model_files_problem(
                     ns.data, (ns.source_lang, ns.target_lang), checkpoint_files(ns), "")

@@ -122,6 +122,21 @@ def test_checkpoints_and_dictionaries_are_checked_when_parsing(tmp_path, capsys,
     assert exit_.value.code == 2 and len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
 
 
+@pytest.mark.parametrize("decoding", ["beam", "fairseq"])
+def test_interactive_refuses_soft_alignments(tmp_path, capsys, decoding):
+    """fairseq-interactive (0.12.3) stops at its first sentence with a ValueError when alignments
+    are soft, whatever the generator; refused when parsing. Hard ones parse."""
+    torch.save({}, tmp_path / "model.pt")
+    (tmp_path / "dict.de.txt").write_text("")
+    flags = [str(tmp_path), "--user-dir", PLUGIN, "--task", "streambeam_translation", "-s", "de", "-t", "de",
+             "--path", str(tmp_path / "model.pt"), "--decoding", decoding, "--print-alignment"]
+    options.parse_args_and_arch(options.get_interactive_generation_parser(), input_args=flags + ["hard"])
+    with pytest.raises(SystemExit) as exit_:
+        options.parse_args_and_arch(options.get_interactive_generation_parser(), input_args=flags + ["soft"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "fairseq-interactive prints hard alignments only" in err[0], err
+
+
 def test_interactive_input_file_is_checked_when_parsing(tmp_path, capsys):
     """fairseq-interactive reads --input only after the models load: a missing file is found first."""
     torch.save({}, tmp_path / "model.pt")
