@@ -100,6 +100,8 @@ class StreamBeamTranslationTask(TranslationTask):
         check_files(self.spec)
         self.limits: tuple | None = None  # (sources, source tokens) a batch holds: get_batch_iterator's
         self._drafters: dict = {}  # (file key, device, dtype) -> block_drafter; ("lookup", file key, order) -> table
+        self._parsed: dict = {}  # kind -> (file key, content) of the last file of that kind read (_read)
+        self.read_files(self.spec)
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, **kwargs):
@@ -181,39 +183,57 @@ class StreamBeamTranslationTask(TranslationTask):
             if key not in self._drafters:
                 self._drafters[key] = load_drafter(spec.drafter, self, like=model)
             return ModelDrafter(self._drafters[key], tgt_d, spec.block_size)
-        key = ("lookup", *_file_key(spec.draft_lookup), spec.draft_lookup_order)  # once per task and file version
-        if key not in self._drafters:
-            try:  # the file's or the order's mistakes are the user's: one line
-                self._drafters[key] = NgramTable.from_file(spec.draft_lookup, tgt_d, spec.draft_lookup_order)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise UsageError(f"--draft-lookup {spec.draft_lookup}: {e}") from None
-        return LookupDrafter(self._drafters[key], bos=tgt_d.eos(), eos=tgt_d.eos(),
+        return LookupDrafter(self._lookup_table(spec), bos=tgt_d.eos(), eos=tgt_d.eos(),
                              block_size=spec.block_size or LOOKUP_BLOCK)
 
-    _lmbr_loaded: tuple | None = None  # (path, mtime, size, posteriors) of the last posteriors file read
+    def _lookup_table(self, spec: DecodeSpec) -> NgramTable:
+        """The n-gram table of --draft-lookup, built once per task, file version and order."""
+        key = ("lookup", *_file_key(spec.draft_lookup), spec.draft_lookup_order)
+        if key not in self._drafters:
+            try:  # the file's or the order's mistakes are the user's: one line
+                self._drafters[key] = NgramTable.from_file(spec.draft_lookup, self.target_dictionary,
+                                                           spec.draft_lookup_order)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise UsageError(f"--draft-lookup {spec.draft_lookup}: {e}") from None
+        return self._drafters[key]
+
+    def read_files(self, spec: DecodeSpec) -> None:
+        """Parse the files `spec` names (posteriors, token masks, lookup text), so that their
+        mistakes come before any model loads; generators built later take what was parsed."""
+        if spec.lmbr_posteriors:
+            self.lmbr_posteriors(spec.lmbr_posteriors)
+        if spec.token_masks:
+            self._read("masks", spec.token_masks, load_masks)
+        if spec.draft_lookup:
+            self._lookup_table(spec)
+
+    def _read(self, kind: str, path: str, load):
+        """`load(path, vocabulary size)`, once per task while the file stays the same, the last file
+        of each kind kept (a benchmark builds a generator per repeat and must not time the parsing;
+        the tuner rewrites its file). A file's mistakes (ValueError naming file and line): one line."""
+        key, held = _file_key(path), self._parsed.get(kind)
+        if held is None or held[0] != key:
+            try:
+                held = self._parsed[kind] = (key, load(path, len(self.target_dictionary)))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        return held[1]
 
     def lmbr_posteriors(self, path: str) -> dict:
-        """The posteriors of `path`, parsed once per task while the file stays the same (a benchmark
-        builds a generator per repeat and must not time the parsing; the tuner rewrites its file)."""
-        key = _file_key(path)
-        if self._lmbr_loaded is None or self._lmbr_loaded[:3] != key:
-            self._lmbr_loaded = (*key, load_posteriors(path, len(self.target_dictionary)))
-        return self._lmbr_loaded[3]
+        """The posteriors of `path` (scorers.lmbr), parsed once per file version (_read)."""
+        return self._read("posteriors", path, load_posteriors)
 
     def _scorers(self, spec: DecodeSpec, n_models: int) -> list:
         """Per-step scorers, in order: LMBR posteriors (Iglesias et al. 2018 defaults), then token
         masks (so a masked token stays -inf whatever LMBR adds)."""
         d = self.target_dictionary
         out = []
-        try:  # a file's mistakes (ValueError naming file and line) are the user's: one line
-            if spec.lmbr_posteriors:
-                theta = Theta.linear_bleu(spec.lmbr_p, spec.lmbr_r, theta0=spec.lmbr_theta0)
-                lam = 1.0 / n_models if spec.lmbr_lambda is None else spec.lmbr_lambda
-                out.append(LMBRScorer(self.lmbr_posteriors(spec.lmbr_posteriors), theta, lam, d.pad()))
-            if spec.token_masks:
-                out.append(TokenMaskScorer(load_masks(spec.token_masks, len(d)), d.eos(), d.pad()))
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        if spec.lmbr_posteriors:
+            theta = Theta.linear_bleu(spec.lmbr_p, spec.lmbr_r, theta0=spec.lmbr_theta0)
+            lam = 1.0 / n_models if spec.lmbr_lambda is None else spec.lmbr_lambda
+            out.append(LMBRScorer(self.lmbr_posteriors(spec.lmbr_posteriors), theta, lam, d.pad()))
+        if spec.token_masks:
+            out.append(TokenMaskScorer(self._read("masks", spec.token_masks, load_masks), d.eos(), d.pad()))
         return out
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):

@@ -24,7 +24,7 @@ from helpers import (
 from fairseq_streambeam import Budget
 from fairseq_streambeam.scorers.build_posteriors import Evidence, read_evidence
 from fairseq_streambeam.scorers.lmbr import MAX_ORDER, LMBRScorer, Theta, load_posteriors, write_posteriors
-from fairseq_streambeam.scorers.masks import TokenMaskScorer
+from fairseq_streambeam.scorers.masks import TokenMaskScorer, load_masks
 
 
 def reference_score(post: dict, theta: Theta, lam: float, history, word: int, lprob: float) -> float:
@@ -357,17 +357,30 @@ def test_bench_runs_lmbr_variants_on_a_subset(tiny_run, tmp_path):
 @pytest.mark.parametrize("kind", ["lmbr_posteriors", "token_masks"])
 @pytest.mark.parametrize("token", [len(D), -1])
 def test_scorer_files_with_ids_outside_the_dictionary_are_refused_when_read(tmp_path, kind, token):
-    """An id the target dictionary does not have is named with its file and line when the task
-    builds the generator, not met as an index error in the middle of decoding."""
-    import argparse
-
+    """An id the target dictionary does not have is named with its file and line when the task is
+    built (before fairseq-generate loads a model), not met as an index error in the middle of decoding."""
     path = tmp_path / "f.jsonl"
     rec = {"id": 0, "ngrams": [[[5, token], 0.5]]} if kind == "lmbr_posteriors" else {"id": 0, "ban": [5, token]}
     path.write_text('{"id": 1, "allow": [5]}\n' * (kind == "token_masks") + json.dumps(rec) + "\n")
-    task = _task(tmp_path, decoding="var-batch", **{kind: str(path)})
     line = 2 if kind == "token_masks" else 1
     with pytest.raises(ValueError, match=rf"f.jsonl:{line}: token id {token} is not in the target dictionary"):
-        task.build_generator([MODEL], argparse.Namespace(beam=4, nbest=1, max_len_b=12))
+        _task(tmp_path, decoding="var-batch", **{kind: str(path)})
+
+
+def test_task_parses_token_masks_once_per_file_version(tmp_path, monkeypatch):
+    """Masks are read when the task is built and kept for every generator while the file stays."""
+    import argparse
+
+    import fairseq_streambeam.task as task_mod
+
+    calls = []
+    monkeypatch.setattr(task_mod, "load_masks", lambda path, *a: calls.append(path) or load_masks(path, *a))
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"id": 0, "ban": [5]}\n')
+    task = _task(tmp_path, decoding="var-batch", token_masks=str(path))
+    for _ in range(2):
+        gen = task.build_generator([MODEL], argparse.Namespace(beam=2, nbest=1, max_len_b=4))
+    assert calls == [str(path)] and gen.scorer.scorers[0].masks == {0: ("ban", [5])}
 
 
 @pytest.mark.parametrize("lines,message", [

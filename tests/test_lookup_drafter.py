@@ -148,6 +148,22 @@ def test_lookup_table_mistakes_are_one_line(tiny_run, tmp_path, content, extra, 
     assert len(errors) == 1 and f"--draft-lookup {table}: " in errors[0] and message in errors[0], r.stderr[-2000:]
 
 
+def test_a_lookup_order_too_high_is_refused_when_the_task_is_built(tmp_path):
+    """The table is built with the task, before fairseq-generate loads a model: an order whose keys
+    do not fit is one line then, not after minutes of loading an ensemble."""
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.spec import UsageError
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    text = tmp_path / "t.txt"
+    text.write_text("w1 w2\n")
+    cfg = dict(train_subset="train", decoding="gad", draft_lookup=str(text))
+    with pytest.raises(UsageError, match="62 bits: lower --draft-lookup-order"):
+        StreamBeamTranslationTask(StreamBeamConfig(**cfg, draft_lookup_order=60), D, D)
+    task = StreamBeamTranslationTask(StreamBeamConfig(**cfg, draft_lookup_order=2), D, D)
+    assert len(task._drafters) == 1  # built, and kept for the generators
+
+
 def test_a_rewritten_lookup_file_is_read_again(tmp_path):
     """The task reads a lookup table once per file version: a generator built after the file was
     rewritten drafts from the new text, not from the table the task read before."""
