@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import malloc
-from .spec import DECODINGS, PAPER_DELTA, PAPER_M, DecodeSpec, UsageError, checkpoint_files
+from .spec import DECODINGS, PAPER_DELTA, PAPER_M, DecodeSpec, UsageError, checkpoint_files, count_problem
 
 Prune = Tuple[float, int, int]  # (delta, M, finish count)
 # evidence options beside the files that change its posteriors (n-gram order, how raw text is segmented)
@@ -273,10 +273,10 @@ def check_args(a: argparse.Namespace) -> None:
                    lmbr_posteriors="-")
     if starts.get("alpha", 0.0) < 0:
         raise CalibrationError(f"--lmbr-start: alpha must be >= 0, got {starts['alpha']:g}")
-    for name in ("threads", "limit", "test_limit", "batch_size", "max_tokens", "rounds"):
-        value, least = getattr(a, name), 0 if name in ("limit", "test_limit") else 1
-        if value is not None and value < least:
-            raise CalibrationError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    problem = count_problem(a, ("threads", "batch_size", "max_tokens", "rounds")) or count_problem(
+        a, ("limit", "test_limit"), least=0)
+    if problem:
+        raise CalibrationError(problem)
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise CalibrationError(f"--out {a.out}: not a directory")
     if a.src and not a.ref:

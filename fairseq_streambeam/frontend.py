@@ -10,7 +10,7 @@ import enum
 import typing
 
 from .options import plugin_fields
-from .spec import DECODINGS, UsageError, check_files, from_cli, model_files_problem
+from .spec import DECODINGS, UsageError, check_files, count_problem, from_cli, model_files_problem
 from .textio import BPES, bpe_problem, tokenizers
 
 # the front ends' default and choices for the task's --decoding: streaming by default, and not
@@ -56,11 +56,8 @@ def check_model_options(args: argparse.Namespace, positive: typing.Sequence[str]
     """Every check that needs no model: the decoding spec (spec.from_cli), the files it names, the
     `positive` counts, and that the dictionaries, checkpoints and BPE files exist."""
     check_files(from_cli(args, args))
-    for name in positive:
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    problem = model_files_problem(args.data, (args.source_lang, args.target_lang), args.path) or bpe_problem(
+    problem = count_problem(args, positive) or model_files_problem(
+        args.data, (args.source_lang, args.target_lang), args.path) or bpe_problem(
         args.bpe, args.bpe_codes, args.sentencepiece_model)
     if problem:
         raise UsageError(problem)

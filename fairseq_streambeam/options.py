@@ -13,7 +13,7 @@ from typing import List, Optional
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks.translation import TranslationConfig
 
-from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, check_files, from_cli, model_files_problem
+from .spec import ADMIT_ORDERS, DECODINGS, ORDERS, UsageError, check_files, count_problem, from_cli, model_files_problem
 from .textio import BPE_FILES, bpe_problem, file_problem
 
 DECODING_CHOICES = ChoiceEnum(list(DECODINGS))
@@ -157,7 +157,7 @@ def check_at_parse_time(parser) -> None:
             if hasattr(ns, "buffer_size"):  # fairseq-interactive's parser (its --buffer-size)
                 refuse_in_interactive(spec, getattr(ns, "print_alignment", None))
             if hasattr(ns, "path") and hasattr(ns, "beam"):  # generate/interactive: the models load next
-                problem = _batch_limits_problem(ns) or model_files_problem(
+                problem = count_problem(ns, ("batch_size", "max_tokens")) or model_files_problem(
                     ns.data, (ns.source_lang, ns.target_lang), checkpoint_files(ns), "")
                 bpe = getattr(ns, "bpe", None)
                 if problem is None and bpe in BPE_FILES and (
@@ -177,16 +177,6 @@ def check_at_parse_time(parser) -> None:
     # argparse's mistakes in the task's options (a bad choice, a bad number) and unknown options in
     # one line too, not after fairseq's usage; fairseq's own options are parsed before add_args runs
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-
-def _batch_limits_problem(ns) -> Optional[str]:
-    """A --batch-size or --max-tokens below 1: fairseq batches without that limit then (the whole
-    set in one batch), which is never what was meant."""
-    for name in ("batch_size", "max_tokens"):
-        value = getattr(ns, name, None)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
-    return None
 
 
 def _results_path_problem(path: Optional[str]) -> Optional[str]:

@@ -16,7 +16,7 @@ import math
 import os
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .search.finalize import finished_per_source
 from .search.pruning import Pruning
@@ -383,6 +383,16 @@ def model_files_problem(data: Optional[str], langs: Tuple[Optional[str], ...], p
         return f"{name}: no such directory (the model's data-bin or dictionaries)"
     missing = [lang for lang in langs if first and lang and not os.path.isfile(os.path.join(first, f"dict.{lang}.txt"))]
     return f"{name}: no dict.{missing[0]}.txt there" if missing else None
+
+
+def count_problem(ns: Any, names: Sequence[str], least: int = 1) -> Optional[str]:
+    """The first of the whole-number options `names` of `ns` set below `least` (e.g. --batch-size
+    -1, which fairseq takes as no limit), in one line; None when there is none."""
+    for name in names:
+        value = getattr(ns, name, None)
+        if value is not None and value < least:
+            return f"--{name.replace('_', '-')} must be >= {least}, got {value}"
+    return None
 
 
 def flag(name: str) -> str:
