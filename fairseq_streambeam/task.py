@@ -203,7 +203,7 @@ class StreamBeamTranslationTask(TranslationTask):
         if spec.lmbr_posteriors:
             self.lmbr_posteriors(spec.lmbr_posteriors)
         if spec.token_masks:
-            self._read("masks", spec.token_masks, load_masks)
+            self.token_masks(spec.token_masks)
         if spec.draft_lookup:
             self._lookup_table(spec)
 
@@ -223,6 +223,10 @@ class StreamBeamTranslationTask(TranslationTask):
         """The posteriors of `path` (scorers.lmbr), parsed once per file version (_read)."""
         return self._read("posteriors", path, load_posteriors)
 
+    def token_masks(self, path: str) -> dict:
+        """The token masks of `path` (scorers.masks), parsed once per file version (_read)."""
+        return self._read("masks", path, load_masks)
+
     def _scorers(self, spec: DecodeSpec, n_models: int) -> list:
         """Per-step scorers, in order: LMBR posteriors (Iglesias et al. 2018 defaults), then token
         masks (so a masked token stays -inf whatever LMBR adds)."""
@@ -233,7 +237,7 @@ class StreamBeamTranslationTask(TranslationTask):
             lam = 1.0 / n_models if spec.lmbr_lambda is None else spec.lmbr_lambda
             out.append(LMBRScorer(self.lmbr_posteriors(spec.lmbr_posteriors), theta, lam, d.pad()))
         if spec.token_masks:
-            out.append(TokenMaskScorer(self._read("masks", spec.token_masks, load_masks), d.eos(), d.pad()))
+            out.append(TokenMaskScorer(self.token_masks(spec.token_masks), d.eos(), d.pad()))
         return out
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
@@ -295,9 +299,9 @@ class RunReport:
         for name, counters in self.totals().items():
             if counters.sentences:
                 logger.info("streambeam %s: %s", name, counters.summary())
-            if counters.sentences and counters.unscored_sources == counters.sentences:
-                logger.warning("streambeam %s: no sentence had a record in --lmbr-posteriors or --token-masks: "
-                               "are they keyed by this split's sentence ids?", name)
+            if counters.sentences and counters.unscored_sources >= counters.sentences:
+                logger.warning("streambeam %s: every sentence lacked a record in --lmbr-posteriors or --token-masks:"
+                               " are they keyed by the ids of the sentences decoded?", name)
 
 
 def attach_to_hub(hub, **options):

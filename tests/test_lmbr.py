@@ -268,27 +268,42 @@ def test_task_defaults_equal_the_scorer_given_directly(tmp_path, decoding, n_mod
     assert_same_hypos(want, got, atol=1e-5)
 
 
-def test_task_parses_posteriors_once_per_file_version(tmp_path, monkeypatch):
-    """A benchmark builds a generator per repeat: the file is parsed once, again only when it changes."""
+@pytest.mark.parametrize("kind", ["lmbr_posteriors", "token_masks"])
+def test_task_parses_scorer_files_once_per_file_version(tmp_path, monkeypatch, kind):
+    """A benchmark builds a generator per repeat: the file is parsed once (when the task is built),
+    again only when it changes."""
     import argparse
     import os
 
     import fairseq_streambeam.task as task_mod
 
+    posteriors = kind == "lmbr_posteriors"
+    loader = "load_posteriors" if posteriors else "load_masks"
+    real = load_posteriors if posteriors else load_masks
     calls = []
-    monkeypatch.setattr(task_mod, "load_posteriors", lambda path, *a: calls.append(path) or load_posteriors(path, *a))
-    path = tmp_path / "p.jsonl"
-    write_posteriors(path, {0: {(5,): 0.5}})
-    task = _task(tmp_path, decoding="beam", lmbr_posteriors=str(path), lmbr_lambda=1.0)
+    monkeypatch.setattr(task_mod, loader, lambda path, *a: calls.append(path) or real(path, *a))
+    path = tmp_path / "f.jsonl"
+    first, second = ({0: {(5,): 0.5}}, {0: {(6,): 0.25, (7,): 0.5}}) if posteriors else (
+        {0: ("ban", [5])}, {0: ("ban", [6, 7])})
+
+    def write(records):
+        if posteriors:
+            write_posteriors(path, records)
+        else:
+            path.write_text("".join(json.dumps({"id": i, rule: ids}) + "\n" for i, (rule, ids) in records.items()))
+
+    write(first)
+    task = _task(tmp_path, decoding="beam" if posteriors else "var-batch", **{kind: str(path)},
+                 **({"lmbr_lambda": 1.0} if posteriors else {}))
     args = argparse.Namespace(beam=2, nbest=1, max_len_b=4)
     for _ in range(3):
         task.build_generator([MODEL], args)
     assert calls == [str(path)]
-    write_posteriors(path, {0: {(6,): 0.25, (7,): 0.5}})
+    write(second)
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a new version even on a coarse clock
-    gen = task.build_generator([MODEL], args)
-    assert len(calls) == 2 and gen.scorer.scorers[0].posteriors == {0: {(6,): 0.25, (7,): 0.5}}
+    scorer = task.build_generator([MODEL], args).scorer.scorers[0]
+    assert len(calls) == 2 and (scorer.posteriors if posteriors else scorer.masks) == second
 
 
 def test_posteriors_from_nbest_and_file_round_trip(tmp_path):
@@ -367,22 +382,6 @@ def test_scorer_files_with_ids_outside_the_dictionary_are_refused_when_read(tmp_
         _task(tmp_path, decoding="var-batch", **{kind: str(path)})
 
 
-def test_task_parses_token_masks_once_per_file_version(tmp_path, monkeypatch):
-    """Masks are read when the task is built and kept for every generator while the file stays."""
-    import argparse
-
-    import fairseq_streambeam.task as task_mod
-
-    calls = []
-    monkeypatch.setattr(task_mod, "load_masks", lambda path, *a: calls.append(path) or load_masks(path, *a))
-    path = tmp_path / "m.jsonl"
-    path.write_text('{"id": 0, "ban": [5]}\n')
-    task = _task(tmp_path, decoding="var-batch", token_masks=str(path))
-    for _ in range(2):
-        gen = task.build_generator([MODEL], argparse.Namespace(beam=2, nbest=1, max_len_b=4))
-    assert calls == [str(path)] and gen.scorer.scorers[0].masks == {0: ("ban", [5])}
-
-
 @pytest.mark.parametrize("lines,message", [
     (['{"id": 0, "ngrams": [[[5], 0.5]]}', '{"id": 0, "ngrams": [[[6], 0.5]]}'],
      "p.jsonl:2: sentence 0 already has a record (line 1)"),
@@ -416,8 +415,8 @@ def test_a_malformed_scorer_file_is_one_line_from_the_command(tiny_run, tmp_path
 
 
 def test_sources_without_a_record_are_counted():
-    """Posteriors keyed by other ids (another split's) decode silently without evidence; the
-    counters say how many sources had no record, and the summary line names them."""
+    """A source that a posteriors or masks file has no record for is decoded without it; the
+    counters say how many sources lacked a record in some scorer, and the summary line names them."""
     rng = random.Random(5)
     kept = {0, 3, 5}
     posts = {i: _random_posteriors(rng, 6) for i in kept}
@@ -444,4 +443,4 @@ def test_posteriors_for_no_decoded_sentence_are_warned_about(tiny_run, tmp_path)
                  "--gen-subset", "test", "--cpu", "--batch-size", "4", "--decoding", "var-stream",
                  "--lmbr-posteriors", str(post)])
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "without a scorer record" in r.stderr and "no sentence had a record in --lmbr-posteriors" in r.stderr
+    assert "without a scorer record" in r.stderr and "every sentence lacked a record in --lmbr-posteriors" in r.stderr

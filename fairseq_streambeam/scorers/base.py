@@ -13,6 +13,10 @@ from torch import Tensor
 
 
 class Scorer(Protocol):
+    """A scorer whose file keys records by sentence id (LMBR posteriors, token masks) may also have
+    `has_record(sentence_id) -> bool`, so that the sentences decoded without a record are counted
+    (ScorerStack.missing); one without it has no record to miss."""
+
     def reset(self) -> None:
         """Forget per-sentence tables (called once per generate call)."""
 
@@ -24,10 +28,6 @@ class Scorer(Protocol):
 
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
         """State after appending `tokens` [N] (pad = a finished candidate carried unchanged)."""
-
-    def has_record(self, sentence_id: int) -> bool:
-        """Whether the scorer's file has a record for this sentence (a sentence without one is
-        decoded without its evidence or mask). Optional: a scorer without it has none to miss."""
 
 
 class ScorerStack:
@@ -42,7 +42,7 @@ class ScorerStack:
         return torch.stack([s.start(sentence_ids, device) for s in self.scorers], 1)
 
     def missing(self, sentence_ids: Sequence[int]) -> int:
-        """How many of these sentences some scorer has no record for (Scorer.has_record)."""
+        """How many of these sentences some scorer has no record for (`has_record`, see Scorer)."""
         checks = [s.has_record for s in self.scorers if hasattr(s, "has_record")]
         return sum(not all(has(int(sid)) for has in checks) for sid in sentence_ids)
 

@@ -127,7 +127,7 @@ class LMBRScorer:
         self._cols: Optional[Tuple[Tensor, Tensor]] = None
 
     def has_record(self, sentence_id: int) -> bool:
-        return sentence_id in self.posteriors
+        return int(sentence_id) in self.posteriors
 
     def start(self, sentence_ids: Sequence[int], device: torch.device) -> Tensor:
         """Build rows for new sources; returns each source's initial state (its root row)."""

@@ -42,7 +42,7 @@ class TokenMaskScorer:
         self.table = self.allow = None
 
     def has_record(self, sentence_id: int) -> bool:
-        return sentence_id in self.masks
+        return int(sentence_id) in self.masks
 
     def start(self, sentence_ids: Sequence[int], device: torch.device) -> Tensor:
         ids = []
