@@ -70,9 +70,12 @@ class _AlreadyImported(logging.Filter):
         return "has already been imported" not in record.getMessage()
 
 
+_ALREADY_IMPORTED = _AlreadyImported()  # one instance: addFilter adds the same object once
+
+
 def _fairseq_command(interactive: bool) -> None:
     sys.argv = with_plugin(sys.argv)
-    logging.getLogger("fairseq.utils").addFilter(_AlreadyImported())
+    logging.getLogger("fairseq.utils").addFilter(_ALREADY_IMPORTED)
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         _show_help_with_task_options(interactive)
     malloc.retain_freed_memory()

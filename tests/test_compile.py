@@ -74,16 +74,17 @@ def test_beam_decodings_compiled_equal_eager(compile_model, decoding, order, ind
 
 
 def test_compiled_layers_keep_the_repacked_output_projection(compile_model):
-    """With --compile on the CPU the output projection still multiplies by the generate call's
-    copies of its weight (RepackedLinears, over at least MIN_SOURCES sources): inductor compiles
-    the layers only, and fairseq's F.linear there is MKL's product (slower on some CPUs)."""
+    """With --compile on the CPU the output projection multiplies by the generate call's copy of its
+    weight (RepackedLinears, over at least MIN_SOURCES sources; for this float64 model a transposed
+    copy, for float32 oneDNN's packed one) and the compiled layers by their own products: the
+    copies hold the projection's weight only."""
     model = compile_model
     n = RepackedLinears.MIN_SOURCES + 1
     sample = make_sample(D, random_sentences(D, n, 47, max_len=14))
     kw = dict(beam_size=4, decoding="beam", max_len_b=14)
     gen = StreamBeamGenerator([model], D, budget=Budget(4), compile=True, **kw)
     got = gen.generate([model], sample)
-    assert [b.repacked.active for b in gen.blocks] == [True]
+    assert [(b.repacked.active, len(b.repacked._copies)) for b in gen.blocks] == [(True, 1)]
     assert_same_hypos(fairseq_generate([model], D, sample, beam_size=4, max_len_b=14), got, atol=1e-6)
 
 
