@@ -26,7 +26,7 @@ from .drafters.input_copy import InputCopyDrafter
 from .drafters.ngram_lookup import LOOKUP_BLOCK, LookupDrafter, NgramTable
 from .generators.aggressive import AggressiveGenerator
 from .generators.stream_beam import StreamBeamGenerator
-from .models.block_drafter import load_drafter
+from .models.block_drafter import drafter_state, load_drafter
 from .options import StreamBeamConfig, check_at_parse_time, install_usage_error_hook
 from .runtime.counters import Counters
 from .runtime.scheduler import Budget
@@ -199,7 +199,10 @@ class StreamBeamTranslationTask(TranslationTask):
 
     def read_files(self, spec: DecodeSpec) -> None:
         """Parse the files `spec` names (posteriors, token masks, lookup text), so that their
-        mistakes come before any model loads; generators built later take what was parsed."""
+        mistakes come before any model loads; generators built later take what was parsed. A
+        drafter is only checked (drafter_state): it is loaded on the verifier's device later."""
+        if spec.drafter:
+            drafter_state(spec.drafter, self)
         if spec.lmbr_posteriors:
             self.lmbr_posteriors(spec.lmbr_posteriors)
         if spec.token_masks:

@@ -280,6 +280,17 @@ def test_gad_cli_errors(tiny_run, tmp_path):
         assert r.returncode == 2 and "to --decoding gad, not --decoding iad" in r.stderr
 
 
+def test_a_checkpoint_that_is_no_drafter_is_refused_when_the_task_is_built(tiny_run):
+    """Before fairseq-generate loads the verifier (minutes for an ensemble), not after."""
+    from fairseq_streambeam.options import StreamBeamConfig
+    from fairseq_streambeam.spec import UsageError
+    from fairseq_streambeam.task import StreamBeamTranslationTask
+
+    _, ckpt = tiny_run
+    with pytest.raises(UsageError, match="not a block_drafter"):
+        StreamBeamTranslationTask(StreamBeamConfig(train_subset="train", decoding="gad", drafter=str(ckpt)), D, D)
+
+
 def test_drafter_with_another_dictionary_is_refused(tmp_path):
     """Same size, other tokens: caught by the dictionary checksum recorded at training time."""
     from fairseq.tasks.translation import TranslationConfig, TranslationTask

@@ -67,9 +67,23 @@ def dictionary_sha(d) -> str:
 
 
 def load_drafter(path: str, task, like: Optional[torch.nn.Module] = None) -> BlockDrafterModel:
-    """Load a block_drafter checkpoint for decoding with `task`'s dictionaries, on the device and
-    in the dtype of `like` (the verifier). A drafter trained with another dictionary would draft
-    ids that mean other tokens, so that is an error, not a silent slowdown."""
+    """Load a block_drafter checkpoint for decoding with `task`'s dictionaries (drafter_state), on
+    the device and in the dtype of `like` (the verifier)."""
+    state = drafter_state(path, task)
+    margs = state["cfg"]["model"]
+    margs.init_from = None
+    model = task.build_model(margs)
+    model.load_state_dict(state["model"], strict=True)
+    if like is not None:
+        p = next(like.parameters())
+        model.to(device=p.device, dtype=p.dtype)
+    return model.eval()
+
+
+def drafter_state(path: str, task) -> dict:
+    """The checkpoint state at `path`, checked to be a block_drafter trained with `task`'s target
+    dictionary: one trained with another would draft ids that mean other tokens, so that is an
+    error, not a silent slowdown."""
     from fairseq import checkpoint_utils
     from fairseq.models import ARCH_MODEL_REGISTRY
 
@@ -90,13 +104,7 @@ def load_drafter(path: str, task, like: Optional[torch.nn.Module] = None) -> Blo
         raise UsageError(f"--drafter {path} was trained with a different target dictionary ({rows} types) than "
                          f"the verifier's ({len(d)} types{', same size, other tokens' if rows == len(d) else ''}); "
                          "drafter and verifier must share the dictionary")
-    margs.init_from = None
-    model = task.build_model(margs)
-    model.load_state_dict(state["model"], strict=True)
-    if like is not None:
-        p = next(like.parameters())
-        model.to(device=p.device, dtype=p.dtype)
-    return model.eval()
+    return state
 
 
 def init_from_checkpoint(model: torch.nn.Module, path: str) -> int:
