@@ -429,10 +429,13 @@ class Calibrator:
         return rec
 
 
-def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting, Outcome]]:
-    """(fixed beam, the chosen setting or None when nothing reaches the target, every dev outcome)."""
+def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting, Outcome], List[str]]:
+    """(fixed beam, the chosen setting or None when nothing reaches the target, every dev outcome,
+    notes for the user). LMBR weights that score below no LMBR at the same pruning are dropped: the
+    search goes on without them, and a note says so."""
     a = cal.a
     seen: Dict[Setting, Outcome] = {}
+    notes: List[str] = []
 
     def run(s: Setting) -> Outcome:
         seen[s] = cal.decode(s)
@@ -453,9 +456,16 @@ def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting
         grids = (a.alphas, a.lambdas, a.theta0s)
         weights = best_weights(lambda w: run(replace(start, weights=w)).bleu, grids, a.lmbr_search,
                                tuple(a.lmbr_start) if a.lmbr_start else None, a.rounds)
+        best = replace(start, weights=weights)
+        with_lmbr, without = seen[best].bleu, run(start).bleu
+        if with_lmbr < without:
+            notes.append(f"LMBR lowers dev BLEU at every weight tried: the best, {best.label}, scores "
+                         f"{with_lmbr:.2f} against {without:.2f} without LMBR, so the choice is made without it")
+        notes += grid_edges(weights, grids)
+        weights = weights if with_lmbr >= without else None
     if not variable:
         chosen = Setting(weights=weights)
-        return base, chosen if on_target(seen[chosen]) else None, seen
+        return base, chosen if on_target(seen[chosen]) else None, seen, notes
     run(start)  # the paper's settings, for the table (and the search's first candidate)
 
     def evaluate(p: Prune) -> Tuple[bool, float]:
@@ -463,7 +473,17 @@ def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting
         return on_target(o), cost(o)
 
     prune = cheapest_pruning(evaluate, a.deltas, a.max_cands, a.finish_counts, start.prune)
-    return base, None if prune is None else Setting(prune, weights), seen
+    return base, None if prune is None else Setting(prune, weights), seen, notes
+
+
+def grid_edges(weights: Weights, grids: Sequence[List[float]]) -> List[str]:
+    """Notes for LMBR weights chosen at the end of a grid of several values: a wider grid may find better."""
+    notes = []
+    for name, value, grid in zip(("--alphas", "--lambdas", "--theta0s"), weights, grids):
+        if len(set(grid)) > 1 and value in (min(grid), max(grid)):
+            end = "largest" if value == max(grid) else "smallest"
+            notes.append(f"{name}: the chosen {value:g} is the grid's {end}; a grid reaching past it may score higher")
+    return notes
 
 
 def markdown(rows: List[Tuple[Setting, Outcome]], base: Outcome, marks: Dict[Setting, str]) -> str:
@@ -585,16 +605,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"threads: torch={torch.get_num_threads()} (set explicitly)", flush=True)
         cal = Calibrator(a)
         print(f"dev: {len(cal.dev.dataset)} sentences; decodes in the cache: {len(cal.cache)}", flush=True)
-        base, chosen, seen = calibrate(cal)
+        base, chosen, seen, notes = calibrate(cal)
     except (CalibrationError, UsageError) as e:  # UsageError: the decoding's, e.g. --max-tokens below a line
         print(f"streambeam-calibrate: error: {e}", file=sys.stderr)
         return 2
     table = write_outputs(cal, base, chosen, seen)
     print("\n" + table)
     minutes = (time.perf_counter() - t0) / 60
+    for note in notes:
+        print(f"note: {note}", flush=True)
     if chosen is None:
+        best = max((s for s in seen if s != base), key=lambda s: seen[s].bleu)
         print(f"streambeam-calibrate: error: no setting on the grids reaches fixed beam's dev BLEU "
-              f"{seen[base].bleu:.2f} - {a.tolerance:g}; widen --deltas/--max-cands or raise --tolerance",
+              f"{seen[base].bleu:.2f} - {a.tolerance:g} (the best, {best.label}: {seen[best].bleu:.2f}); widen "
+              f"--deltas/--max-cands{'/--lambdas' if cal.evidence is not None else ''} or raise --tolerance",
               file=sys.stderr)
         return 1
     print(f"\nchosen: {chosen.label} (dev BLEU {seen[chosen].bleu:.2f}, {seen[chosen].expansions} expansions against "

@@ -182,6 +182,30 @@ def test_lmbr_stage_finds_the_known_optimum(tiny_run, tmp_path, search):
     assert json.loads((out / "best.json").read_text())["_lmbr_alpha"] == 8.0
 
 
+def test_lmbr_that_lowers_bleu_is_dropped_with_a_note(tiny_run, tmp_path, monkeypatch, capsys):
+    """Every LMBR weight scores below no LMBR at the paper's pruning: the pruning is chosen without
+    LMBR (a note says why), and a lambda chosen at its grid's end is named as such."""
+    data, ckpt = tiny_run
+    _known_optimum_evidence(data, tmp_path / "ev.nbest")
+    real = cal_mod.Calibrator._run
+
+    def lmbr_loses(self, s, ts, name, key):
+        rec = real(self, s, ts, name, key)
+        return rec if s.weights is None else dict(rec, bleu=-1.0)  # below any real BLEU
+
+    monkeypatch.setattr(cal_mod.Calibrator, "_run", lmbr_loses)
+    out = tmp_path / "cal"
+    argv = _argv(data, ckpt, out, "--decoding", "var-batch", "--nbest", str(tmp_path / "ev.nbest"), "--lambdas",
+                 "0.5", "1", "--theta0s", "0", "--limit", "20", "--tolerance", "100")
+    assert cal_mod.main(argv) == 0
+    res = json.loads((out / "calibrate.json").read_text())
+    assert res["chosen"]["prune"] is not None and res["chosen"]["weights"] is None
+    assert "--lmbr-lambda" not in (out / "best.args").read_text()
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert any("LMBR lowers dev BLEU at every weight tried" in x and "without LMBR" in x for x in notes)
+    assert any(x.startswith("note: --lambdas: the chosen ") and "is the grid's" in x for x in notes)
+
+
 def test_no_setting_on_target_is_one_line_and_no_options_file(tiny_run, tmp_path, monkeypatch, capsys):
     data, ckpt = tiny_run
     real = cal_mod.Calibrator._run
@@ -195,6 +219,7 @@ def test_no_setting_on_target_is_one_line_and_no_options_file(tiny_run, tmp_path
     assert cal_mod.main(_argv(data, ckpt, out, "--limit", "20")) == 1
     err = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
     assert len(err) == 1 and "no setting on the grids reaches fixed beam's dev BLEU" in err[0]
+    assert re.search(r"\(the best, delta \S+ M \d+ z \d+: -?[\d.]+\)", err[0])
     assert (out / "calibrate.md").exists() and not (out / "best.args").exists()
 
 
