@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import enum
 import math
+import numbers
 import os
 import zipfile
 from dataclasses import dataclass
@@ -146,6 +148,10 @@ class DecodeSpec:
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
             raise UsageError(f"--decoding must be one of {', '.join(DECODINGS)}, got {self.decoding}")
+        for f in dataclasses.fields(self):
+            problem = type_problem(f.name, getattr(self, f.name), str(f.type))
+            if problem:
+                raise UsageError(problem)
         for name, ok, allowed in _RANGES:
             value = getattr(self, name)
             if not ok(value):
@@ -392,6 +398,35 @@ def count_problem(ns: Any, names: Sequence[str], least: int = 1) -> Optional[str
         value = getattr(ns, name, None)
         if value is not None and value < least:
             return f"--{name.replace('_', '-')} must be >= {least}, got {value}"
+    return None
+
+
+# what a field of each annotation holds: (test, words for a message); other annotations go unchecked
+_KINDS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "a whole number"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def type_problem(name: str, value: Any, annotation: str) -> Optional[str]:
+    """Why `value` does not suit a field annotated `annotation` ("int", "Optional[float]", ...), in
+    one line (None: it does): Python callers pass options unparsed, and a string or a float where a
+    count belongs would fail deep inside a decode."""
+    optional = annotation.startswith("Optional[")
+    kind = _KINDS.get(annotation[len("Optional["):-1] if optional else annotation)
+    if kind is None or (optional and value is None) or kind[0](value):
+        return None
+    return f"{flag(name)} must be {kind[1]}{' or None' if optional else ''}, got {value!r}"
+
+
+def unknown_problem(given: Sequence[str], known: Sequence[str], what: str) -> Optional[str]:
+    """One line naming the first of `given` that is not in `known`, with the closest known name."""
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            return f"{what} has no option {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
     return None
 
 

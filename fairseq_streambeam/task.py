@@ -32,7 +32,7 @@ from .runtime.counters import Counters
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
 from .scorers.masks import TokenMaskScorer, load_masks
-from .spec import DecodeSpec, UsageError, check_files, from_cli
+from .spec import DecodeSpec, UsageError, check_files, from_cli, unknown_problem
 
 logger = logging.getLogger("fairseq_streambeam")
 
@@ -312,6 +312,10 @@ def attach_to_hub(hub, **options):
     plugin's task; `options` are the task's fields, e.g. `attach_to_hub(hub, decoding="var-stream",
     finish_count=1)`. Each call is a new command line: fairseq's translation options are kept, the
     plugin's own return to their defaults unless given. Returns the hub."""
+    problem = unknown_problem(list(options), [f.name for f in dataclasses.fields(StreamBeamConfig)],
+                              "attach_to_hub")
+    if problem:
+        raise UsageError(problem)
     old = hub.task
     names = {f.name for f in dataclasses.fields(TranslationConfig)}  # fairseq's translation options
     base = {k: getattr(old.cfg, k) for k in names if hasattr(old.cfg, k) and k not in options}

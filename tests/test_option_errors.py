@@ -5,12 +5,15 @@ status 2. The Python API raises ValueError."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from fairseq import options
 from helpers import REPO, make_dict, random_transformer
 
-from fairseq_streambeam import StreamBeamGenerator
+from fairseq_streambeam import Budget, StreamBeamGenerator, attach_to_hub
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.options import StreamBeamConfig
 from fairseq_streambeam.spec import DecodeSpec, UsageError, from_cli
@@ -175,6 +178,41 @@ def test_python_api_raises_value_error():
         DecodeSpec(decoding="var-stream", refill_eps=-0.5)
     assert issubclass(UsageError, ValueError)
     from_cli(StreamBeamConfig(decoding="var-stream"))  # the defaults pass
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(beam_size=2.5), "--beam must be a whole number, got 2.5"),
+    (dict(beam_size="5"), "--beam must be a whole number, got '5'"),
+    (dict(nbest=True), "--nbest must be a whole number, got True"),
+    (dict(decoding="var-stream", prune_abs_threshold="2.0"), "--prune-abs-threshold must be a number or None, "
+                                                             "got '2.0'"),
+    (dict(decoding="var-stream", prune_max_cands=2.5), "--prune-max-cands must be a whole number or None, got 2.5"),
+    (dict(len_penalty="1"), "--lenpen must be a number, got '1'"),
+    (dict(compile=1), "--compile must be True or False, got 1"),
+])
+def test_python_options_of_the_wrong_type_are_one_usage_error(options, message):
+    """Python callers pass options unparsed: a string or a float where a count belongs is refused
+    by name, not left to fail deep inside a decode (topk's k, a comparison with a string)."""
+    with pytest.raises(UsageError, match=re.escape(message)):
+        DecodeSpec(**options)
+
+
+def test_python_options_take_numpy_numbers_and_ints_for_floats():
+    s = DecodeSpec(decoding="var-stream", beam_size=np.int64(5), len_penalty=np.float32(0.5), prune_abs_threshold=2)
+    assert s.beam == 5 and s.pruning.delta == 2
+
+
+def test_unknown_python_options_and_budgets_are_refused_by_name():
+    d = make_dict(12)
+    model = random_transformer(d, 0)
+    message = "a generator has no option 'beam_sise' (did you mean 'beam_size'?)"
+    with pytest.raises(UsageError, match=re.escape(message)):
+        StreamBeamGenerator([model], d, beam_sise=5)
+    with pytest.raises(UsageError, match=re.escape("attach_to_hub has no option 'decodng' (did you mean 'decoding'?)")):
+        attach_to_hub(None, decodng="var-stream")  # refused before the hub is read
+    with pytest.raises(TypeError, match="budget must be a Budget"):
+        StreamBeamGenerator([model], d, decoding="var-stream", budget=64)
+    StreamBeamGenerator([model], d, decoding="var-stream", budget=Budget(64))
 
 
 @pytest.mark.parametrize("generator,decoding", [(StreamBeamGenerator, "var-stream"), (AggressiveGenerator, "iad")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..search.penalties import source_max_len
-from ..spec import DecodeSpec, UsageError
+from ..spec import DecodeSpec, UsageError, unknown_problem
 
 
 @dataclass
@@ -95,6 +96,9 @@ def family_spec(spec: Optional[DecodeSpec], options: dict, family: str, default:
         raise UsageError("stream_window= is the task's option (fairseq batches per window); a generator "
                          "decodes each sample it is given as one window: pass more sources per sample")
     if spec is None:
+        problem = unknown_problem(list(options), [f.name for f in dataclasses.fields(DecodeSpec)], "a generator")
+        if problem:
+            raise UsageError(problem)
         spec = DecodeSpec(**{"decoding": default, **options})
     elif options:
         raise TypeError(f"pass a spec or options, not both (got {sorted(options)})")

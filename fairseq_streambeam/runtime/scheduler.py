@@ -59,6 +59,8 @@ class Scheduler:
     def __init__(self, policy: str, budget: Budget, refill_eps: float = 1 / 6, max_wait: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {POLICIES}")
+        if not isinstance(budget, Budget):  # e.g. budget=64 from Python: it would fail at the first refill
+            raise TypeError(f"budget must be a Budget, e.g. Budget(max_sentences=64), got {budget!r}")
         self.policy = policy
         self.budget = budget
         self.eps = refill_eps
