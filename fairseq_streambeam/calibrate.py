@@ -258,12 +258,13 @@ def check_args(a: argparse.Namespace) -> None:
 
     if a.beam < 1:
         raise CalibrationError(f"--beam must be >= 1, got {a.beam}")
-    for name, xs, ok in (("--deltas", a.deltas, lambda x: x > 0), ("--max-cands", a.max_cands, lambda x: 1 <= x),
-                         ("--finish-counts", a.finish_counts, lambda x: 1 <= x <= a.beam),
-                         ("--lambdas", a.lambdas, lambda x: x > 0), ("--alphas", a.alphas, lambda x: x >= 0)):
+    for name, xs, ok, allowed in (
+            ("--deltas", a.deltas, lambda x: x > 0, "> 0"), ("--max-cands", a.max_cands, lambda x: 1 <= x, ">= 1"),
+            ("--finish-counts", a.finish_counts, lambda x: 1 <= x <= a.beam, f"from 1 to --beam {a.beam}"),
+            ("--lambdas", a.lambdas, lambda x: x > 0, "> 0"), ("--alphas", a.alphas, lambda x: x >= 0, ">= 0")):
         bad = [x for x in xs if not ok(x)]
         if bad:
-            raise CalibrationError(f"{name}: {bad[0]:g} is out of range")
+            raise CalibrationError(f"{name}: {bad[0]:g} is out of range (each must be {allowed})")
     if a.tolerance < 0:
         raise CalibrationError(f"--tolerance must be >= 0, got {a.tolerance:g}")
     starts = {} if not a.lmbr_start else dict(zip(("alpha", "lmbr_lambda", "lmbr_theta0"), a.lmbr_start))

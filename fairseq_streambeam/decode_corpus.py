@@ -225,8 +225,8 @@ def merge(out_dir: Path, ranges: List[Tuple[int, int]], files: List[dict], optio
     totals: Dict[str, float] = {}
     for rec in records:
         for k, v in {**rec["counters"], **{f"bad_{k}": v for k, v in rec["bad"].items()}}.items():
-            if isinstance(v, (int, float)):
-                totals[k] = totals.get(k, 0) + v
+            if isinstance(v, (int, float)):  # rounded as the shards' records are (sums of floats gain digits)
+                totals[k] = round(totals.get(k, 0) + v, 3)
     if totals.get("decoder_steps"):
         totals["expansions_per_step"] = round(totals["expansions"] / totals["decoder_steps"], 2)
     if totals.get("total_seconds"):

@@ -62,6 +62,7 @@ def test_single_process_merge_and_manifest(corpus, reference, tmp_path, capsys):
     assert man["totals"]["bad_too_long"] == 1 and man["totals"]["sentences"] == n
     assert sum(s["counters"]["sentences"] for s in man["shards"]) == n  # per-shard counts, not running totals
     assert man["totals"]["expansions_per_step"] > 0
+    assert all(round(v, 3) == v for v in man["totals"].values())  # no float sums' stray digits (0.1 + 0.2)
     assert all(s["status"] == "done" and len(s["checksum"]) == 64 for s in man["shards"])
 
 
