@@ -11,7 +11,8 @@
 # then decode:  fairseq-generate ... --decoding gad --drafter work/drafter-deen/ckpt/checkpoint_best.pt
 # Options: --model-dir DIR (checkpoint, dictionaries, spm8k.model) --checkpoint NAME --dict-dir DIR
 #   --bpe sentencepiece|none --train PREFIX --valid PREFIX -s L -t L --out DIR --block-size K
-#   --decoder-layers N --minutes M --lines N (first N training lines; 0 = all) --beam B
+#   --decoder-layers N --minutes M --lines N (first N training lines; 0 = all)
+#   --valid-lines N (first N validation lines, distilled and scored at each validation; 0 = all) --beam B
 #   --device cpu|cuda (fairseq-train's device; default cpu. Distillation uses CUDA when torch sees it)
 #   Anything after `--` goes to fairseq-train (e.g. -- --arch block_drafter --encoder-embed-dim 512).
 # Environment: NPROC (distillation workers, default 2), THREADS (per worker, default 1), PYTHON, STREAMBEAM_SHARED (read instead of ../shared).
@@ -19,7 +20,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 shared="${STREAMBEAM_SHARED:-$here/../shared}"
 model_dir="$shared/models/deen-tiny"; train="$shared/data/train/de-en/train"; valid="$shared/data/train/de-en/valid"
-s=de; t=en; out=work/drafter; k=8; layers=2; minutes=25; lines=0; beam=5; checkpoint=checkpoint_best.pt
+s=de; t=en; out=work/drafter; k=8; layers=2; minutes=25; lines=0; valid_lines=0; beam=5; checkpoint=checkpoint_best.pt
 dict_dir=""; bpe=sentencepiece; device=cpu
 python="${PYTHON:-python}"; nproc="${NPROC:-2}"; threads="${THREADS:-1}"
 usage() { sed -n '2,/^# Environment/p' "$0"; exit "${1:-0}"; }
@@ -38,6 +39,7 @@ while [ $# -gt 0 ]; do
     --decoder-layers) layers="$2"; shift 2;;
     --minutes) minutes="$2"; shift 2;;
     --lines) lines="$2"; shift 2;;
+    --valid-lines) valid_lines="$2"; shift 2;;
     --beam) beam="$2"; shift 2;;
     --device) device="$2"; shift 2;;
     -h|--help) usage 0;;
@@ -47,7 +49,7 @@ while [ $# -gt 0 ]; do
 done
 need() { echo "train_drafter.sh: $1" >&2; exit 2; }
 count() { [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || need "$1 must be a whole number of at least $3, not '$2'"; }
-count --lines "$lines" 0; count --block-size "$k" 1; count --decoder-layers "$layers" 1; count --beam "$beam" 1
+count --lines "$lines" 0; count --valid-lines "$valid_lines" 0; count --block-size "$k" 1; count --decoder-layers "$layers" 1; count --beam "$beam" 1
 [[ "$minutes" =~ ^[0-9]*\.?[0-9]+$ ]] && awk "BEGIN{exit !($minutes > 0)}" || need "--minutes must be a number above 0, not '$minutes'"
 case "$bpe" in sentencepiece|none) ;; *) need "--bpe must be sentencepiece or none, not '$bpe'";; esac
 ar="$model_dir/$checkpoint"; dict_dir="${dict_dir:-$model_dir}"
@@ -66,7 +68,8 @@ echo "threads: OMP_NUM_THREADS=$OMP_NUM_THREADS per process, $nproc distillation
 
 for split in train valid; do
   src="$train.$s"; [ "$split" = valid ] && src="$valid.$s"
-  if [ "$split" = train ] && [ "$lines" -gt 0 ]; then head -n "$lines" "$src" > "$out/train.head.$s"; src="$out/train.head.$s"; fi
+  n="$lines"; [ "$split" = valid ] && n="$valid_lines"
+  if [ "$n" -gt 0 ]; then head -n "$n" "$src" > "$out/$split.head.$s"; src="$out/$split.head.$s"; fi
   echo "== distilling $split ($(wc -l < "$src") lines, beam $beam)" >&2
   NPROC="$nproc" PYTHON="$python" "$here/scripts/decode_corpus.sh" --input "$src" --output-dir "$out/distill-$split" \
     --data "$dict_dir" --path "$ar" -s "$s" -t "$t" "${spm_args[@]}" \

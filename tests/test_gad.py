@@ -354,11 +354,12 @@ def test_train_drafter_script_end_to_end(tiny_run, tmp_path):
              "--no-progress-bar"]
     r = run_cli(["bash", str(REPO / "scripts" / "train_drafter.sh"), "--model-dir", str(ckpt.parent), "--checkpoint",
                  ckpt.name, "--dict-dir", str(data), "--bpe", "none", "--train", str(raw / "train"), "--valid",
-                 str(raw / "test"), "-s", "src", "-t", "tgt", "--lines", "120", "--beam", "2", "--block-size", "3",
+                 str(raw / "test"), "-s", "src", "-t", "tgt", "--lines", "120", "--valid-lines", "30", "--beam", "2",
+                 "--block-size", "3",
                  "--minutes", "5", "--out", str(tmp_path / "out"), "--", *small],
                 cwd=str(REPO), env_extra={"PYTHON": str(BIN / "python"), "NPROC": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "120 of 120 pairs written" in r.stdout + r.stderr
+    assert "120 of 120 pairs written" in r.stdout + r.stderr and "30 of 30 pairs written" in r.stdout + r.stderr
     drafter = tmp_path / "out" / "ckpt" / "checkpoint_best.pt"
     assert torch.load(drafter, weights_only=False)["cfg"]["model"].draft_block_size == 3
     base = [str(BIN / "fairseq-generate"), str(data), "--path", str(ckpt), "--user-dir", PLUGIN,
@@ -552,8 +553,8 @@ def test_gad_without_a_drafter_object_is_refused():
             AggressiveGenerator([m], D, decoding="gad", **kw)
 
 
-@pytest.mark.parametrize("bad", [["--minutes", "0"], ["--minutes", "abc"], ["--lines", "-1"], ["--beam", "0"],
-                                 ["--block-size", "x"], ["--bpe", "fastbpe"]])
+@pytest.mark.parametrize("bad", [["--minutes", "0"], ["--minutes", "abc"], ["--lines", "-1"], ["--valid-lines", "x"],
+                                 ["--beam", "0"], ["--block-size", "x"], ["--bpe", "fastbpe"]])
 def test_train_drafter_script_refuses_bad_values_in_one_line(tmp_path, bad):
     """A time limit of 0 or a word used to reach fairseq-train as no limit at all; every count is
     checked before anything runs or is written."""
