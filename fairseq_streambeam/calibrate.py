@@ -462,8 +462,9 @@ def calibrate(cal: Calibrator) -> Tuple[Setting, Optional[Setting], Dict[Setting
         if with_lmbr < without:
             notes.append(f"LMBR lowers dev BLEU at every weight tried: the best, {best.label}, scores "
                          f"{with_lmbr:.2f} against {without:.2f} without LMBR, so the choice is made without it")
-        notes += grid_edges(weights, grids)
-        weights = weights if with_lmbr >= without else None
+            weights = None
+        else:
+            notes += grid_edges(weights, grids)
     if not variable:
         chosen = Setting(weights=weights)
         return base, chosen if on_target(seen[chosen]) else None, seen, notes
@@ -481,8 +482,8 @@ def grid_edges(weights: Weights, grids: Sequence[List[float]]) -> List[str]:
     """Notes for LMBR weights chosen at the end of a grid of several values: a wider grid may find better."""
     notes = []
     for name, value, grid in zip(("--alphas", "--lambdas", "--theta0s"), weights, grids):
-        if len(set(grid)) > 1 and value in (min(grid), max(grid)):
-            end = "largest" if value == max(grid) else "smallest"
+        if len(set(grid)) > 1 and value in (min(grid), max(grid)) and not (name == "--alphas" and value == 0):
+            end = "largest" if value == max(grid) else "smallest"  # (alpha 0 is the least there is)
             notes.append(f"{name}: the chosen {value:g} is the grid's {end}; a grid reaching past it may score higher")
     return notes
 
@@ -519,7 +520,8 @@ def plot(path: Path, rows: List[Tuple[Setting, Outcome]], front: List[int], targ
     return True
 
 
-def write_outputs(cal: Calibrator, base: Setting, chosen: Optional[Setting], seen: Dict[Setting, Outcome]) -> str:
+def write_outputs(cal: Calibrator, base: Setting, chosen: Optional[Setting], seen: Dict[Setting, Outcome],
+                  notes: Sequence[str] = ()) -> str:
     a, out = cal.a, cal.out
     b = seen[base]
     target = b.bleu - a.tolerance
@@ -542,11 +544,12 @@ def write_outputs(cal: Calibrator, base: Setting, chosen: Optional[Setting], see
                  f"the dev sentences" + ("; the tolerance is below it, so more dev sentences would choose more "
                                         "reliably." if a.tolerance < sd else "."))
     (out / "calibrate.md").write_text(f"Target: dev BLEU >= {target:.2f} (fixed beam {b.bleu:.2f} - {a.tolerance:g}); "
-                                      f"cost: {a.objective}.{noise}\n\n{table}\n")
+                                      f"cost: {a.objective}.{noise}\n\n{table}\n"
+                                      + "".join(f"\nNote: {n}.\n" for n in notes))
     if noise:
         print(noise.strip(), flush=True)
     (out / "calibrate.json").write_text(json.dumps({
-        "args": vars(a), "target": target, "chosen": asdict(chosen) if chosen else None, "gap_sd": sd,
+        "args": vars(a), "target": target, "chosen": asdict(chosen) if chosen else None, "gap_sd": sd, "notes": notes,
         "results": [dict(setting=asdict(s), **asdict(o), pareto=i in front) for i, (s, o) in enumerate(rows)],
     }, indent=1, default=str) + "\n")
     plot(out / "pareto.png", rows, front, target, a.objective, cost)
@@ -610,13 +613,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (CalibrationError, UsageError) as e:  # UsageError: the decoding's, e.g. --max-tokens below a line
         print(f"streambeam-calibrate: error: {e}", file=sys.stderr)
         return 2
-    table = write_outputs(cal, base, chosen, seen)
+    table = write_outputs(cal, base, chosen, seen, notes)
     print("\n" + table)
     minutes = (time.perf_counter() - t0) / 60
     for note in notes:
         print(f"note: {note}", flush=True)
     if chosen is None:
-        best = max((s for s in seen if s != base), key=lambda s: seen[s].bleu)
+        best = max(seen, key=lambda s: (s != base, seen[s].bleu))  # the best but fixed beam (when there is one)
         print(f"streambeam-calibrate: error: no setting on the grids reaches fixed beam's dev BLEU "
               f"{seen[base].bleu:.2f} - {a.tolerance:g} (the best, {best.label}: {seen[best].bleu:.2f}); widen "
               f"--deltas/--max-cands{'/--lambdas' if cal.evidence is not None else ''} or raise --tolerance",

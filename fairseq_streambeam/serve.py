@@ -618,7 +618,8 @@ async def serve(args: argparse.Namespace, model, ready=None) -> None:
         loop.stop()
         raise UsageError(listen_problem(args.host, args.port, e)) from None
     port = runner.addresses[0][1]
-    print(f"streambeam-serve: --decoding {spec.decoding} --beam {spec.beam} on http://{args.host}:{port} "
+    beam = f" --beam {spec.beam_size}" if spec.beam > 1 else ""  # greedy, iad and gad: one hypothesis
+    print(f"streambeam-serve: --decoding {spec.decoding}{beam} on http://{args.host}:{port} "
           f"({'cuda' if model.cuda else 'cpu'}, {args.batching} batching, budget {args.batch_size} sentences)",
           flush=True)
     if ready is not None:

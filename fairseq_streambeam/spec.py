@@ -20,6 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .search.finalize import finished_per_source
 from .search.pruning import Pruning
 from .textio import file_problem
@@ -149,7 +151,10 @@ class DecodeSpec:
         if self.decoding not in DECODINGS:
             raise UsageError(f"--decoding must be one of {', '.join(DECODINGS)}, got {self.decoding}")
         for f in dataclasses.fields(self):
-            problem = type_problem(f.name, getattr(self, f.name), str(f.type))
+            value = getattr(self, f.name)
+            if isinstance(value, enum.Enum) or (f.name in FILES and isinstance(value, os.PathLike)):
+                object.__setattr__(self, f.name, value := _value(value))  # fairseq's ChoiceEnum, a Path
+            problem = type_problem(f.name, value, str(f.type))
             if problem:
                 raise UsageError(problem)
         for name, ok, allowed in _RANGES:
@@ -405,7 +410,7 @@ def count_problem(ns: Any, names: Sequence[str], least: int = 1) -> Optional[str
 _KINDS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "a whole number"),
     "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "bool": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
     "str": (lambda v: isinstance(v, str), "a string"),
 }
 
@@ -421,12 +426,18 @@ def type_problem(name: str, value: Any, annotation: str) -> Optional[str]:
     return f"{flag(name)} must be {kind[1]}{' or None' if optional else ''}, got {value!r}"
 
 
-def unknown_problem(given: Sequence[str], known: Sequence[str], what: str) -> Optional[str]:
-    """One line naming the first of `given` that is not in `known`, with the closest known name."""
+def unknown_problem(given: Sequence[str], known: Sequence[str], what: str,
+                    elsewhere: Optional[Tuple[Sequence[str], str]] = None) -> Optional[str]:
+    """One line naming the first of `given` that is not in `known`: where it belongs when it is one
+    of `elsewhere`'s names (names, where), else with the closest known name (a fairseq generation
+    option's SequenceGenerator name, e.g. beam -> beam_size)."""
     for name in given:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            return f"{what} has no option {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        if name in known:
+            continue
+        if elsewhere is not None and name in elsewhere[0]:
+            return f"{what}: {name} is {elsewhere[1]}"
+        close = [GENERATION[name]] if GENERATION.get(name) in known else difflib.get_close_matches(name, known, n=1)
+        return f"{what} has no option {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
     return None
 
 
@@ -438,8 +449,8 @@ def flag(name: str) -> str:
 
 
 def _value(v: Any) -> Any:
-    """fairseq's ChoiceEnum members as plain strings."""
-    return str(v) if isinstance(v, enum.Enum) else v
+    """fairseq's ChoiceEnum members as plain strings, paths as strings."""
+    return str(v) if isinstance(v, enum.Enum) else os.fspath(v) if isinstance(v, os.PathLike) else v
 
 
 # the plugin's options on the command line (the task's dataclass fields of the same names)

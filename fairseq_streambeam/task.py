@@ -18,6 +18,7 @@ import weakref
 
 import numpy as np
 import torch
+from fairseq.dataclass.configs import GenerationConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
@@ -32,7 +33,7 @@ from .runtime.counters import Counters
 from .runtime.scheduler import Budget
 from .scorers.lmbr import LMBRScorer, Theta, load_posteriors
 from .scorers.masks import TokenMaskScorer, load_masks
-from .spec import DecodeSpec, UsageError, check_files, from_cli, unknown_problem
+from .spec import GENERATION, DecodeSpec, UsageError, check_files, from_cli, unknown_problem
 
 logger = logging.getLogger("fairseq_streambeam")
 
@@ -312,8 +313,10 @@ def attach_to_hub(hub, **options):
     plugin's task; `options` are the task's fields, e.g. `attach_to_hub(hub, decoding="var-stream",
     finish_count=1)`. Each call is a new command line: fairseq's translation options are kept, the
     plugin's own return to their defaults unless given. Returns the hub."""
-    problem = unknown_problem(list(options), [f.name for f in dataclasses.fields(StreamBeamConfig)],
-                              "attach_to_hub")
+    generation = [f.name for f in dataclasses.fields(GenerationConfig)] + list(GENERATION.values())
+    problem = unknown_problem(list(options), [f.name for f in dataclasses.fields(StreamBeamConfig)], "attach_to_hub",
+                              (generation, "a generation option: give it to translate() or generate(), as fairseq "
+                                           "names it (beam=5, lenpen=1.0)"))
     if problem:
         raise UsageError(problem)
     old = hub.task

@@ -180,11 +180,14 @@ def test_lmbr_stage_finds_the_known_optimum(tiny_run, tmp_path, search):
     assert (out / "best.args").read_text().split()[-8:] == ["--lmbr-lambda", "0.01", "--lmbr-theta0", "0",
                                                             "--lmbr-p", "0.85", "--lmbr-r", "0.72"]
     assert json.loads((out / "best.json").read_text())["_lmbr_alpha"] == 8.0
+    # chosen at the grids' ends: alpha 8 (largest), lambda 0.01 (smallest), Theta0 0 (largest)
+    assert [n.split(":")[0] for n in res["notes"]] == ["--alphas", "--lambdas", "--theta0s"]
+    assert "--lambdas: the chosen 0.01 is the grid's smallest" in res["notes"][1]
 
 
 def test_lmbr_that_lowers_bleu_is_dropped_with_a_note(tiny_run, tmp_path, monkeypatch, capsys):
     """Every LMBR weight scores below no LMBR at the paper's pruning: the pruning is chosen without
-    LMBR (a note says why), and a lambda chosen at its grid's end is named as such."""
+    LMBR, and the one note (printed, and in calibrate.json and .md) says why."""
     data, ckpt = tiny_run
     _known_optimum_evidence(data, tmp_path / "ev.nbest")
     real = cal_mod.Calibrator._run
@@ -202,8 +205,8 @@ def test_lmbr_that_lowers_bleu_is_dropped_with_a_note(tiny_run, tmp_path, monkey
     assert res["chosen"]["prune"] is not None and res["chosen"]["weights"] is None
     assert "--lmbr-lambda" not in (out / "best.args").read_text()
     notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
-    assert any("LMBR lowers dev BLEU at every weight tried" in x and "without LMBR" in x for x in notes)
-    assert any(x.startswith("note: --lambdas: the chosen ") and "is the grid's" in x for x in notes)
+    assert len(notes) == 1 and "LMBR lowers dev BLEU at every weight tried" in notes[0] and "without LMBR" in notes[0]
+    assert res["notes"] == [notes[0][len("note: "):]] and "Note: LMBR lowers" in (out / "calibrate.md").read_text()
 
 
 def test_no_setting_on_target_is_one_line_and_no_options_file(tiny_run, tmp_path, monkeypatch, capsys):

@@ -355,8 +355,7 @@ def test_train_drafter_script_end_to_end(tiny_run, tmp_path):
     r = run_cli(["bash", str(REPO / "scripts" / "train_drafter.sh"), "--model-dir", str(ckpt.parent), "--checkpoint",
                  ckpt.name, "--dict-dir", str(data), "--bpe", "none", "--train", str(raw / "train"), "--valid",
                  str(raw / "test"), "-s", "src", "-t", "tgt", "--lines", "120", "--valid-lines", "30", "--beam", "2",
-                 "--block-size", "3",
-                 "--minutes", "5", "--out", str(tmp_path / "out"), "--", *small],
+                 "--block-size", "3", "--minutes", "5", "--out", str(tmp_path / "out"), "--", *small],
                 cwd=str(REPO), env_extra={"PYTHON": str(BIN / "python"), "NPROC": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "120 of 120 pairs written" in r.stdout + r.stderr and "30 of 30 pairs written" in r.stdout + r.stderr

@@ -5,18 +5,20 @@ status 2. The Python API raises ValueError."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
 import pytest
 import torch
 from fairseq import options
+from fairseq.dataclass.constants import PRINT_ALIGNMENT_CHOICES
 from helpers import REPO, make_dict, random_transformer
 
 from fairseq_streambeam import Budget, StreamBeamGenerator, attach_to_hub
 from fairseq_streambeam.generators.aggressive import AggressiveGenerator
 from fairseq_streambeam.options import StreamBeamConfig
-from fairseq_streambeam.spec import DecodeSpec, UsageError, from_cli
+from fairseq_streambeam.spec import DecodeSpec, UsageError, from_cli, type_problem
 
 PLUGIN = str(REPO / "fairseq_streambeam")
 
@@ -197,9 +199,23 @@ def test_python_options_of_the_wrong_type_are_one_usage_error(options, message):
         DecodeSpec(**options)
 
 
-def test_python_options_take_numpy_numbers_and_ints_for_floats():
-    s = DecodeSpec(decoding="var-stream", beam_size=np.int64(5), len_penalty=np.float32(0.5), prune_abs_threshold=2)
-    assert s.beam == 5 and s.pruning.delta == 2
+def test_python_options_take_numpy_numbers_enums_and_paths(tmp_path):
+    """What Python callers pass besides plain values: numpy numbers (ints for floats too), fairseq's
+    ChoiceEnum members (cfg.generation.print_alignment), and paths, kept as strings."""
+    s = DecodeSpec(decoding="var-stream", beam_size=np.int64(5), len_penalty=np.float32(0.5), prune_abs_threshold=2,
+                   normalize_scores=np.bool_(False), print_alignment=PRINT_ALIGNMENT_CHOICES.hard,
+                   lmbr_posteriors=tmp_path / "p.jsonl")
+    assert s.beam == 5 and s.pruning.delta == 2 and not s.normalize_scores
+    assert s.print_alignment == "hard" and type(s.print_alignment) is str
+    assert s.lmbr_posteriors == str(tmp_path / "p.jsonl")
+
+
+def test_every_spec_field_but_two_is_type_checked():
+    """type_problem reads annotations spelt T or Optional[T]; a field spelt otherwise would go
+    unchecked without notice."""
+    fields = dataclasses.fields(DecodeSpec)
+    unchecked = {str(f.type) for f in fields if type_problem(f.name, object(), str(f.type)) is None}
+    assert unchecked == {"Tuple[str, ...]", "Optional[frozenset]"}
 
 
 def test_unknown_python_options_and_budgets_are_refused_by_name():
@@ -210,8 +226,16 @@ def test_unknown_python_options_and_budgets_are_refused_by_name():
         StreamBeamGenerator([model], d, beam_sise=5)
     with pytest.raises(UsageError, match=re.escape("attach_to_hub has no option 'decodng' (did you mean 'decoding'?)")):
         attach_to_hub(None, decodng="var-stream")  # refused before the hub is read
-    with pytest.raises(TypeError, match="budget must be a Budget"):
-        StreamBeamGenerator([model], d, decoding="var-stream", budget=64)
+    for name in ("beam", "beam_size", "print_alignment"):
+        with pytest.raises(UsageError, match=f"attach_to_hub: {name} is a generation option: give it to translate"):
+            attach_to_hub(None, **{name: 5})
+    with pytest.raises(UsageError, match=re.escape("a generator has no option 'beam' (did you mean 'beam_size'?)")):
+        StreamBeamGenerator([model], d, beam=5)
+    for budget in (64, 0):
+        with pytest.raises(TypeError, match="budget must be a Budget"):
+            StreamBeamGenerator([model], d, decoding="var-stream", budget=budget)
+        with pytest.raises(TypeError, match="budget must be a Budget"):
+            AggressiveGenerator([model], d, budget=budget)
     StreamBeamGenerator([model], d, decoding="var-stream", budget=Budget(64))
 
 

@@ -127,7 +127,7 @@ class AggressiveGenerator(SequenceGenerator):
         self.draft_switch = DraftSwitch() if spec.switches_drafting else None  # passes without drafts when cheaper
         self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=spec.unk_penalty,
                                           min_len=spec.min_len, suppress=self.token_indices_to_suppress)
-        self.scheduler = Scheduler(spec.policy, budget or Budget(), spec.refill_eps)
+        self.scheduler = Scheduler(spec.policy, Budget() if budget is None else budget, spec.refill_eps)
         self.driver = Driver(self.scheduler)
         self.max_source_positions = max_positions(self.model.models, 0)
         self.counters = Counters()

@@ -204,7 +204,8 @@ class StreamBeamGenerator(SequenceGenerator):
                        and spec.print_alignment is None)
         self._choose_steps()
         self.encoders = LeanEncoders(self.model)
-        budget = budget or Budget(max_candidates=spec.stream_candidates)  # the task gives its run's budget
+        if budget is None:  # the task gives its run's budget
+            budget = Budget(max_candidates=spec.stream_candidates)
         self.scheduler = Scheduler(policy, budget, spec.refill_eps, spec.max_wait_steps)
         self.driver = Driver(self.scheduler, width=float(self.pruning.beam_size) / 2)
         self.penalties = FairseqPenalties(pad=self.pad, unk=self.unk, eos=self.eos, unk_penalty=spec.unk_penalty,
