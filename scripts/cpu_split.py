@@ -69,7 +69,8 @@ def sample(method: str, repeats: int, bench_args: list, perf_data: str, freq: in
     os.mkfifo(ctl)
     cmd = ["perf", "record", "-q", "-F", str(freq), "-D", "-1", "--control", f"fifo:{ctl}", "-o", perf_data, "--",
            sys.executable, "-m", "fairseq_streambeam.bench", *bench_args, "--methods", method, "--baseline", method,
-           "--exact-ref", method, "--repeats", str(repeats), "--quiet", "--no-plots"]
+           "--exact-ref", method, "--repeats", str(repeats), "--quiet", "--no-plots",
+           "--out", os.path.join(tmp, f"{method}-bench")]  # last: a bench --out among bench_args is overridden
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     control = open(ctl, "w")  # noqa: SIM115 (open for the run's life; perf opens its end at start)
     times = []
