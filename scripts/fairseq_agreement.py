@@ -10,27 +10,28 @@ lists agree, and the first sentence ids where they do not.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from fairseq_streambeam.bench.data import from_data_bin
 from fairseq_streambeam.loader import load_models, load_task
-from fairseq_streambeam.spec import DecodeSpec
+from fairseq_streambeam.spec import DecodeSpec, OneLineParser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True)
     p.add_argument("--path", required=True, help="checkpoints, ':' between the members of an ensemble")
     p.add_argument("-s", "--source-lang", required=True)
     p.add_argument("-t", "--target-lang", required=True)
-    p.add_argument("--decoding", default="beam", help="beam, greedy, fixed-stream, iad (k = 1) or gad")
+    p.add_argument("--decoding", default="beam", choices=["beam", "greedy", "fixed-stream", "iad"],
+                   help="a decoding whose output is fairseq's (greedy and iad: with --beam 1)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--limit", type=int, default=0, help="evenly spaced sentences (0: all)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    if args.decoding in ("greedy", "iad") and args.beam != 1:
+        p.error(f"--decoding {args.decoding} outputs fairseq's --beam 1: give --beam 1")
     torch.set_num_threads(args.threads)
     from fairseq.sequence_generator import SequenceGenerator
 
@@ -53,9 +54,10 @@ def main() -> None:
                 worst = max([worst] + [abs(float(x["score"]) - float(y["score"])) for x, y in zip(a, b)])
             else:
                 differ.append(sid)
+    diff = f"{worst:.2e}" if same_all else "- (no list agrees)"
     print(f"{args.decoding}, k = {args.beam}, {n} sentences, threads {torch.get_num_threads()}: best hypothesis "
-          f"{same_top}/{n}, every hypothesis in order {same_all}/{n}, largest score difference {worst:.2e}; "
-          f"differing sentence ids {differ[:10]}")
+          f"{same_top}/{n}, every hypothesis in order {same_all}/{n}, largest score difference where they do "
+          f"{diff}; differing sentence ids {differ[:10]}")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,11 @@ def test_agreement_script_reports_deen_tiny_equal_to_fairseq():
                  "--path", str(root / "checkpoint_best.pt"), "-s", "de", "-t", "en", "--beam", "3", "--limit", "16"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "best hypothesis 16/16, every hypothesis in order 16/16" in r.stdout, r.stdout
+    for bad, message in ((["--decoding", "var-stream"], "invalid choice: 'var-stream'"),
+                         (["--decoding", "iad"], "--decoding iad outputs fairseq's --beam 1")):
+        r = run_cli([sys.executable, str(REPO / "scripts" / "fairseq_agreement.py"), "--data", "x", "--path", "y",
+                     "-s", "de", "-t", "en", *bad])  # decodings whose output is not fairseq's, or not at that k
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
 
 
 def test_enja_toy_matches_fairseq():
