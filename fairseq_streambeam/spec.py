@@ -282,6 +282,9 @@ GENERATION = {"beam": "beam_size", "nbest": "nbest", "max_len_a": "max_len_a", "
               "min_len": "min_len", "lenpen": "len_penalty", "unkpen": "unk_penalty", "temperature": "temperature",
               "no_repeat_ngram_size": "no_repeat_ngram_size", "match_source_len": "match_source_len",
               "print_alignment": "print_alignment"}
+# the paper's (and the bench's) names of the pruning options -> DecodeSpec fields
+PAPER_NAMES = {"delta": "prune_abs_threshold", "max_cands": "prune_max_cands", "M": "prune_max_cands",
+               "z": "finish_count"}
 # build_generator's extra_gen_cls_kwargs the plugin's generators take (lm_model: shallow fusion's LM)
 EXTRA_ARGUMENTS = ("lm_model", "lm_weight", "tokens_to_suppress", "symbols_to_strip_from_output")
 # fairseq generation options no plugin decoding implements (--decoding fairseq has them): name,
@@ -429,14 +432,15 @@ def type_problem(name: str, value: Any, annotation: str) -> Optional[str]:
 def unknown_problem(given: Sequence[str], known: Sequence[str], what: str,
                     elsewhere: Optional[Tuple[Sequence[str], str]] = None) -> Optional[str]:
     """One line naming the first of `given` that is not in `known`: where it belongs when it is one
-    of `elsewhere`'s names (names, where), else with the closest known name (a fairseq generation
-    option's SequenceGenerator name, e.g. beam -> beam_size)."""
+    of `elsewhere`'s names (names, where), else with the closest known name (for fairseq's and the
+    paper's names, the field: beam -> beam_size, delta -> prune_abs_threshold)."""
     for name in given:
         if name in known:
             continue
         if elsewhere is not None and name in elsewhere[0]:
             return f"{what}: {name} is {elsewhere[1]}"
-        close = [GENERATION[name]] if GENERATION.get(name) in known else difflib.get_close_matches(name, known, n=1)
+        alias = {**GENERATION, **PAPER_NAMES}.get(name)
+        close = [alias] if alias in known else difflib.get_close_matches(name, known, n=1)
         return f"{what} has no option {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
     return None
 

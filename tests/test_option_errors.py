@@ -229,8 +229,9 @@ def test_unknown_python_options_and_budgets_are_refused_by_name():
     for name in ("beam", "beam_size", "print_alignment"):
         with pytest.raises(UsageError, match=f"attach_to_hub: {name} is a generation option: give it to translate"):
             attach_to_hub(None, **{name: 5})
-    with pytest.raises(UsageError, match=re.escape("a generator has no option 'beam' (did you mean 'beam_size'?)")):
-        StreamBeamGenerator([model], d, beam=5)
+    for name, field in (("beam", "beam_size"), ("delta", "prune_abs_threshold"), ("max_cands", "prune_max_cands")):
+        with pytest.raises(UsageError, match=re.escape(f"no option '{name}' (did you mean '{field}'?)")):
+            StreamBeamGenerator([model], d, **{name: 5})
     for budget in (64, 0):
         with pytest.raises(TypeError, match="budget must be a Budget"):
             StreamBeamGenerator([model], d, decoding="var-stream", budget=budget)
