@@ -22,7 +22,7 @@ import torch
 from fairseq import utils
 from tqdm import tqdm
 
-from .. import malloc
+from .. import __version__, malloc
 from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, check_files, model_files_problem
 from ..textio import file_problem
 from .data import CorpusOrder, Head, add_input_args, from_data_bin, from_raw
@@ -168,10 +168,14 @@ def main(argv=None):
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {args.out}: cannot create it ({e.strerror})") from None
-    print(f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
-          f"(set explicitly) | malloc: {'freed memory kept' if kept else 'unchanged'} | "
-          f"{platform.machine()} | torch {torch.__version__} | "
-          f"{'cuda' if use_cuda else 'cpu'}{' | fp16' if settings['fp16'] else ''}", flush=True)
+    blocked = [name for name in ("results.json", "results.md") if (out_dir / name).is_dir()]
+    if blocked:  # found now, not after every method has run
+        raise UsageError(f"--out {args.out}: {blocked[0]} there is a directory")
+    machine = (f"threads: torch={torch.get_num_threads()} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
+               f"(set explicitly) | malloc: {'freed memory kept' if kept else 'unchanged'} | "
+               f"{platform.machine()} | torch {torch.__version__} | "
+               f"{'cuda' if use_cuda else 'cpu'}{' | fp16' if settings['fp16'] else ''}")
+    print(machine, flush=True)
 
     task = load_task(args.data, args.source_lang, args.target_lang)
     models = load_models(task, args.path, use_cuda, settings["fp16"])
@@ -238,7 +242,7 @@ def main(argv=None):
             "bleu": round(sacrebleu.corpus_bleu(hyp_txt, refs).score, 2),
             "chrf": round(sacrebleu.corpus_chrf(hyp_txt, refs).score, 2),
             "seconds_mean": round(statistics.mean(r["times"]), 3),
-            "seconds_std": round(statistics.stdev(r["times"]), 3) if len(r["times"]) > 1 else 0.0,
+            "seconds_std": round(statistics.stdev(r["times"]), 3) if len(r["times"]) > 1 else None,
             "seconds_median": round(median, 3),
             "seconds": [round(t, 3) for t in r["times"]],  # each repeat
             "warmup_seconds": round(r["warmup"], 3),  # the untimed first batch (compiling, tables, first calls)
@@ -264,7 +268,10 @@ def main(argv=None):
             "device": "cuda" if use_cuda else "cpu", "torch": torch.__version__,
             "data": args.src or f"{args.data}:{args.gen_subset}", "path": args.path}
     (out_dir / "results.json").write_text(json.dumps({**meta, "rows": rows, "step_traces": traces}, indent=1))
-    (out_dir / "results.md").write_text(table + "\n")
+    setting = (f"{n} sentences of {meta['data']}, model {args.path}, k = {settings['beam']}, batches of "
+               f"{settings['batch_size'] or '-'} sentences / {settings['max_tokens'] or '-'} tokens, "
+               f"repeats: {settings['repeats']}, fairseq_streambeam {__version__}")
+    (out_dir / "results.md").write_text(f"{setting}\n\n{machine}\n\n{table}\n")  # the table's setting first
     if not args.no_plots:
         for p in write_plots(out_dir, rows, traces):
             if not args.quiet:
