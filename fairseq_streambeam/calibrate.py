@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import malloc
+from .frontend import fairseq_log_level
 from .spec import DECODINGS, PAPER_DELTA, PAPER_M, DecodeSpec, UsageError, checkpoint_files, count_problem
 
 Prune = Tuple[float, int, int]  # (delta, M, finish count)
@@ -597,8 +598,9 @@ def heldout(cal: Calibrator, chosen: Setting) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse_args(argv)
     malloc.retain_freed_memory()
+    fairseq_log_level()
     t0 = time.perf_counter()
-    for name in ("fairseq", "fairseq_streambeam", "matplotlib"):  # one line per decode is printed instead
+    for name in ("fairseq", "fairseq_streambeam"):  # one line per decode is printed instead
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         check_args(a)

@@ -21,6 +21,7 @@ import time
 from typing import List, Optional
 
 from . import malloc
+from .frontend import fairseq_log_level
 
 # the directory fairseq's import_user_module finds in this package's __path__ (so it imports nothing twice)
 PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +77,7 @@ _ALREADY_IMPORTED = _AlreadyImported()  # one instance: addFilter adds the same 
 def _fairseq_command(interactive: bool) -> None:
     sys.argv = with_plugin(sys.argv)
     logging.getLogger("fairseq.utils").addFilter(_ALREADY_IMPORTED)
+    fairseq_log_level()
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         _show_help_with_task_options(interactive)
     malloc.retain_freed_memory()

@@ -33,6 +33,7 @@ from .frontend import (
     add_model_options,
     add_task_options,
     check_model_options,
+    fairseq_log_level,
     load_model,
 )
 from .runtime.counters import Counters
@@ -328,6 +329,7 @@ class ShardDecoder:
 def main(argv=None) -> int:
     args = parse_args(argv)
     malloc.retain_freed_memory()
+    fairseq_log_level()
     try:
         return decode(args)
     except UsageError as e:  # found while decoding, e.g. --min-len above a line's length limit

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import logging
+import os
 import typing
 
 from .options import plugin_fields
@@ -22,6 +24,15 @@ DECODING_CHOICES = tuple(d for d in DECODINGS if d != "fairseq")
 # and help (--prefix-size needs reference targets, which raw text does not have)
 GENERATION_OPTIONS = ("beam", "nbest", "lenpen", "unkpen", "max_len_a", "max_len_b", "min_len", "temperature",
                       "unnormalized", "no_repeat_ngram_size", "match_source_len")
+
+
+def fairseq_log_level() -> None:
+    """fairseq adapter: importing fairseq runs wav2vec2_classification's logging.basicConfig(level=DEBUG),
+    leaving the root logger at DEBUG with a handler, so fairseq-generate's own basicConfig (level
+    LOGLEVEL, default INFO) changes nothing and libraries' debug records reach stderr (hydra's, asyncio's,
+    matplotlib's; under --compile hundreds of torch inductor's file locks). The plugin's commands set
+    the level fairseq-generate asks for."""
+    logging.getLogger().setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):

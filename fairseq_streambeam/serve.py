@@ -39,6 +39,7 @@ from .frontend import (
     add_model_options,
     add_task_options,
     check_model_options,
+    fairseq_log_level,
     load_model,
 )
 from .runtime.counters import Counters
@@ -656,7 +657,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     malloc.retain_freed_memory()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    logging.getLogger("asyncio").setLevel(logging.WARNING)  # fairseq's logging setup lets its debug lines through
+    fairseq_log_level()
     from .loader import wants_cuda
 
     try:

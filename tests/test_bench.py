@@ -43,7 +43,7 @@ def test_every_method_runs_and_reports(tiny_run, tmp_path):
     assert doc["sentences"] == 20 and doc["threads"] == 1 and len(doc["rows"]) == len(rows)
     assert set(doc["step_traces"]) >= {"beam", "var-stream"}
     md = (tmp_path / "results.md").read_text().split("\n\n")  # the setting, the machine, the table
-    assert md[0].startswith("20 sentences of ") and ", k = " in md[0] and "fairseq_streambeam " in md[0]
+    assert md[0].startswith("20 sentences of ") and ", k = " in md[0] and "fairseq-streambeam 0." in md[0]
     assert md[1].startswith("threads: torch=1 ") and md[2].startswith("| method | BLEU |")
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "step_time_vs_length.png").stat().st_size > 0

@@ -72,6 +72,8 @@ def test_streambeam_generate(tmp_path):
     assert sorted(hyps) == ["0", "1", "2"], r.stdout
     assert hyps["0"] == "Two children are playing in the water.", hyps
     assert "streambeam var-stream: 3 sentences" in r.stderr
+    # importing fairseq leaves the root logger at DEBUG (frontend.fairseq_log_level): no library's debug lines
+    assert "DEBUG:" not in r.stderr, r.stderr[-3000:]
     # fairseq-generate starts its DataLoader in a thread (BufferedIterator): the warning is filtered there too
     assert "pin_memory" not in r.stderr or torch.accelerator.is_available(), r.stderr[-3000:]
 
@@ -90,6 +92,7 @@ def test_streambeam_decode_corpus(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = (tmp_path / "out" / "output.txt").read_text(encoding="utf-8").splitlines()
     assert len(out) == 3 and out[0] == "Two children are playing in the water.", out
+    assert "DEBUG:" not in r.stderr, r.stderr[-3000:]
     # fairseq's batch iterator asks for pinned memory on every device; torch's warning about it is
     # filtered where no accelerator exists (task._quiet_pin_memory_warning)
     assert "pin_memory" not in r.stderr or torch.accelerator.is_available(), r.stderr[-3000:]

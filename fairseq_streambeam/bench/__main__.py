@@ -7,6 +7,7 @@ Writes a Markdown table (paper Table 1 shape), JSON and PNG plots to --out (docs
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -22,7 +23,8 @@ import torch
 from fairseq import utils
 from tqdm import tqdm
 
-from .. import __version__, malloc
+from .. import malloc
+from ..frontend import fairseq_log_level
 from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, check_files, model_files_problem
 from ..textio import file_problem
 from .data import CorpusOrder, Head, add_input_args, from_data_bin, from_raw
@@ -158,6 +160,7 @@ def main(argv=None):
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     kept = malloc.retain_freed_memory()  # as the streambeam-* commands do, for every method alike
+    fairseq_log_level()
     import sacrebleu
 
     from fairseq_streambeam.loader import load_models, load_task, wants_cuda
@@ -270,7 +273,7 @@ def main(argv=None):
     (out_dir / "results.json").write_text(json.dumps({**meta, "rows": rows, "step_traces": traces}, indent=1))
     setting = (f"{n} sentences of {meta['data']}, model {args.path}, k = {settings['beam']}, batches of "
                f"{settings['batch_size'] or '-'} sentences / {settings['max_tokens'] or '-'} tokens, "
-               f"repeats: {settings['repeats']}, fairseq_streambeam {__version__}")
+               f"repeats: {settings['repeats']}, fairseq-streambeam {importlib.metadata.version('fairseq-streambeam')}")
     (out_dir / "results.md").write_text(f"{setting}\n\n{machine}\n\n{table}\n")  # the table's setting first
     if not args.no_plots:
         for p in write_plots(out_dir, rows, traces):

@@ -1,6 +1,5 @@
 """Benchmark output: a Markdown table shaped like the paper's Table 1, and PNG plots."""
 
-import logging
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +26,6 @@ def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> Lis
     try:
         import matplotlib
 
-        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's root logger is verbose
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import platform
 import re
@@ -40,6 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..frontend import fairseq_log_level
 from .load import LoadReport, positive, read_lines, run_load
 
 MODES = ("continuous", "static", "single")
@@ -373,7 +373,7 @@ def markdown(meta: dict, rows: List[dict], servers: List[dict], over: Optional[d
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    logging.getLogger("asyncio").setLevel(logging.WARNING)  # fairseq's logging setup lets its debug lines through
+    fairseq_log_level()
     lines = read_lines(args.input)[:args.limit]
     if not lines:
         print("serve_bench: empty --input", file=sys.stderr)
