@@ -51,7 +51,8 @@ def _graphs_of(run):
 
 
 @pytest.mark.parametrize("decoding,order", [("var-stream", "min-length"), ("beam", "min-length")])
-def test_beam_decodings_compiled_equal_eager(compile_model, decoding, order, inductor_compiles):
+def test_beam_decodings_compiled_equal_eager(compile_model, decoding, order, inductor_compiles, caplog):
+    caplog.set_level("INFO", logger="fairseq_streambeam.runtime.compiled")
     model = compile_model
     kw = dict(beam_size=4, decoding=decoding, max_len_b=14)
     if decoding == "var-stream":
@@ -71,6 +72,9 @@ def test_beam_decodings_compiled_equal_eager(compile_model, decoding, order, ind
         return
     assert first >= 1 and first + more <= GRAPHS_PER_DECODING
     assert more <= 2  # structures the first sources did not meet (e.g. a single row)
+    # each graph's compile time is logged, so a first run's slow start is explained
+    said = [r.getMessage() for r in caplog.records if r.name == "fairseq_streambeam.runtime.compiled"]
+    assert 1 <= len(said) <= first + more and all(" compiled in " in m for m in said), said  # a call may add two
 
 
 def test_compiled_layers_keep_the_repacked_output_projection(compile_model):

@@ -13,12 +13,16 @@ Two of torch's compile settings are set around each call, for this function only
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.fx.experimental._config as fx_config
 
 from .lean_layer import LayerMath
 
 GRAPH_LIMIT = 32
+logger = logging.getLogger(__name__)
 
 
 class CompiledLayerMath:
@@ -47,9 +51,14 @@ class CompiledLayerMath:
         if attends and cross_mask is None:
             shape = (enc.size(1), enc.size(0)) if cross_k[0] is None else (cross_k[0].size(0), cross_k[0].size(2))
             cross_mask = torch.zeros(shape, dtype=torch.bool, device=x.device)
+        graphs, t0 = compiled_graphs(), time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), \
                 fx_config.patch(use_duck_shape=False):
-            return self._fn(x, prev_k, prev_v, key_mask, attn_mask, attends, cross_k, cross_v, cross_mask, enc, *rest)
+            out = self._fn(x, prev_k, prev_v, key_mask, attn_mask, attends, cross_k, cross_v, cross_mask, enc, *rest)
+        if compiled_graphs() > graphs:  # compiling takes seconds to a minute on a CPU: say where the time went
+            logger.info("--compile: decoder-layer graph %d of this process compiled in %.1f s (inductor caches "
+                        "it for later runs)", compiled_graphs(), time.perf_counter() - t0)
+        return out
 
 
 def compiled_graphs() -> int:
