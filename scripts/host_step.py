@@ -13,6 +13,8 @@ call's, encoder included, divided by its decoder steps.
 the timed rounds follow one untimed run of each, which compiles and captures. `--graph-steps` runs
 their steps on the static shapes that --compile replays on CUDA, eagerly on the CPU, and counts
 only the operators dispatched around them: what the host launches per step besides a graph's replay.
+Its times are those of the static steps run eagerly on the CPU, not of a replay: read its operator
+counts only.
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and batch go")
     p.add_argument("--compile", action="store_true", help="the plugin's decodings with --compile")
     p.add_argument("--graph-steps", action="store_true",
-                   help="CPU: steps on static shapes, operators inside them not counted")
+                   help="CPU: steps on static shapes, operators inside them not counted (read the counts, "
+                        "not the times: the steps run eagerly)")
     p.add_argument("--decodings", default=",".join(DECODINGS), help="comma-separated, from " + ", ".join(DECODINGS))
     return p
 
