@@ -10,6 +10,7 @@ from helpers import BIN, REPO, run_cli
 
 from fairseq_streambeam.bench.__main__ import DEFAULTS, variant_spec
 from fairseq_streambeam.bench.__main__ import main as bench_main
+from fairseq_streambeam.bench.report import PLOTS
 from fairseq_streambeam.bench.variants import expand_sweep, load_config, parse_methods
 from fairseq_streambeam.spec import UsageError
 
@@ -43,7 +44,8 @@ def test_every_method_runs_and_reports(tiny_run, tmp_path):
     assert doc["sentences"] == 20 and doc["threads"] == 1 and len(doc["rows"]) == len(rows)
     assert set(doc["step_traces"]) >= {"beam", "var-stream"}
     md = (tmp_path / "results.md").read_text().split("\n\n")  # the setting, the machine, the table
-    assert md[0].startswith("20 sentences of ") and ", k = " in md[0] and "fairseq-streambeam 0." in md[0]
+    assert md[0].startswith("20 sentences of ") and ", k = 4, batches of 6 sentences, " in md[0]
+    assert "fairseq-streambeam 0." in md[0]
     assert md[1].startswith("threads: torch=1 ") and md[2].startswith("| method | BLEU |")
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "step_time_vs_length.png").stat().st_size > 0
@@ -197,6 +199,14 @@ def test_sweep_config_runs(tiny_run, tmp_path):
     rows = _bench(tiny_run, tmp_path, "--config", str(cfg), "--no-plots")
     assert [r["method"] for r in rows] == ["var-batch", "var-stream[refill_eps=0.1]", "var-stream[refill_eps=0.9]"]
     assert all(r["identical_to_exact_ref"] == 1.0 for r in rows)  # eps changes speed, never output
+
+
+def test_no_plots_leaves_no_other_runs_plots(tiny_run, tmp_path):
+    """A reused --out: under --no-plots the results stand alone, not beside an earlier run's plots."""
+    for name in PLOTS:
+        (tmp_path / name).write_bytes(b"an earlier run's plot")
+    _bench(tiny_run, tmp_path, "--methods", "beam", "--baseline", "beam", "--exact-ref", "beam", "--no-plots")
+    assert (tmp_path / "results.md").exists() and not any((tmp_path / name).exists() for name in PLOTS)
 
 
 def test_reproduce_script_offline(tiny_run, tmp_path):

@@ -29,7 +29,7 @@ from ..spec import DECODINGS, DecodeSpec, OneLineParser, UsageError, check_files
 from ..textio import file_problem
 from .data import CorpusOrder, Head, add_input_args, from_data_bin, from_raw
 from .memory import PeakMemory
-from .report import markdown_table, write_plots
+from .report import PLOTS, markdown_table, write_plots
 from .variants import BUILTIN, Variant, load_config, parse_methods
 
 DEFAULTS = dict(beam=5, batch_size=64, max_tokens=None, lenpen=1.0, max_len_b=200, refill_eps=1 / 6,
@@ -193,7 +193,9 @@ def main(argv=None):
     n = len(ts.dataset)
     order = "corpus order" if settings["corpus_order"] else "length-sorted"
     z = settings["finish_count"] or "k"
-    print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batch {settings['batch_size']} "
+    batch = " and ".join(f"{settings[k]} {what}" for k, what in (("batch_size", "sentences"), ("max_tokens", "tokens"))
+                         if settings[k]) or "no limit"
+    print(f"{n} sentences, {len(models)} model(s), beam {settings['beam']}, batches of {batch} "
           f"({order}), sticky finish count {z}, {settings['repeats']} repeat(s): "
           f"{', '.join(v.name for v in variants)}", flush=True)
 
@@ -271,14 +273,16 @@ def main(argv=None):
             "device": "cuda" if use_cuda else "cpu", "torch": torch.__version__,
             "data": args.src or f"{args.data}:{args.gen_subset}", "path": args.path}
     (out_dir / "results.json").write_text(json.dumps({**meta, "rows": rows, "step_traces": traces}, indent=1))
-    setting = (f"{n} sentences of {meta['data']}, model {args.path}, k = {settings['beam']}, batches of "
-               f"{settings['batch_size'] or '-'} sentences / {settings['max_tokens'] or '-'} tokens, "
+    setting = (f"{n} sentences of {meta['data']}, model {args.path}, k = {settings['beam']}, batches of {batch}, "
                f"repeats: {settings['repeats']}, fairseq-streambeam {importlib.metadata.version('fairseq-streambeam')}")
     (out_dir / "results.md").write_text(f"{setting}\n\n{machine}\n\n{table}\n")  # the table's setting first
     if not args.no_plots:
         for p in write_plots(out_dir, rows, traces):
             if not args.quiet:
                 print(f"wrote {p}")
+    else:  # a reused --out keeps no plots of another run beside these results
+        for name in PLOTS:
+            (out_dir / name).unlink(missing_ok=True)
     if not args.quiet:
         print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
     return rows

@@ -14,6 +14,9 @@ COLUMNS = [
 ]
 
 
+PLOTS = ("step_time_vs_length.png", "time_vs_bleu.png")  # write_plots' files
+
+
 def markdown_table(rows: List[dict]) -> str:
     head = "| " + " | ".join(title for _, title in COLUMNS) + " |"
     sep = "|" + "---|" * len(COLUMNS)
@@ -48,7 +51,7 @@ def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> Lis
     ax.set_xlabel("current target length (tokens)")
     ax.set_ylabel("median decoder step time (ms)")
     ax.legend(fontsize=7)
-    written = [save(fig, "step_time_vs_length.png")]
+    written = [save(fig, PLOTS[0])]
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
@@ -56,4 +59,4 @@ def write_plots(out_dir: Path, rows: List[dict], traces: Dict[str, list]) -> Lis
         ax.annotate(r["method"], (r["seconds_median"], r["bleu"]), fontsize=7)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("BLEU")
-    return [*written, save(fig, "time_vs_bleu.png")]
+    return [*written, save(fig, PLOTS[1])]
