@@ -1,6 +1,7 @@
 """Invariant 4 end to end: through `fairseq-generate --user-dir`, every input id answers exactly
 once, whatever the decoding, batch size and window; `--decoding beam` prints what fairseq prints."""
 
+import json
 import re
 
 import pytest
@@ -123,6 +124,38 @@ def test_hub_interface(tiny_run):
     attach_to_hub(hub, decoding="var-stream")
     out = hub.translate(sents, beam=4)
     assert len(out) == 4 and all(isinstance(x, str) for x in out)
+
+
+def test_hub_keys_token_masks_by_place_in_the_list_and_generators_take_its_batches(tiny_run, tmp_path):
+    """The README's two claims about the hub: --token-masks (and posteriors) key a sentence by its
+    place in the list given to translate(); a StreamBeamGenerator decodes a batch built as the hub
+    builds one, with the hub's own output."""
+    from fairseq.models.transformer import TransformerModel
+
+    from fairseq_streambeam import Budget, StreamBeamGenerator, attach_to_hub
+
+    data, ckpt = tiny_run
+    hub = TransformerModel.from_pretrained(str(ckpt.parent), ckpt.name, data_name_or_path=str(data),
+                                           source_lang="src", target_lang="tgt")
+    sents = ["w1 w2 w3", "w4 w5"]
+    attach_to_hub(hub, decoding="beam")
+    plain = hub.translate(sents, beam=4)
+    first = plain[0].split()[0]
+    masks = tmp_path / "masks.jsonl"
+    masks.write_text(json.dumps({"id": 0, "ban": [hub.tgt_dict.index(first)]}) + "\n")
+    attach_to_hub(hub, decoding="beam", token_masks=str(masks))
+    masked = hub.translate(sents, beam=4)
+    assert masked[0].split()[0] != first and masked[1] == plain[1]  # id 0: the list's first sentence
+    assert hub.translate(sents[::-1], beam=4)[1] == plain[0]  # second in the list: no record, no mask
+
+    attach_to_hub(hub, decoding="var-stream")
+    tokens = [hub.encode(x) for x in sents]
+    ds = hub.task.build_dataset_for_inference(tokens, [len(t) for t in tokens])
+    sample = ds.collater([ds[i] for i in range(len(ds))])
+    gen = StreamBeamGenerator(hub.models, hub.tgt_dict, beam_size=4, decoding="var-stream", budget=Budget(64))
+    got = {int(i): h[0]["tokens"].tolist() for i, h in zip(sample["id"], gen.generate(hub.models, sample))}
+    ref = [h[0]["tokens"].tolist() for h in hub.generate(tokens, beam=4)]
+    assert [got[i] for i in range(len(sents))] == ref
 
 
 def test_hub_refuses_plugin_options_given_to_translate(tiny_run):
