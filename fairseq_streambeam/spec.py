@@ -152,8 +152,8 @@ class DecodeSpec:
             raise UsageError(f"--decoding must be one of {', '.join(DECODINGS)}, got {self.decoding}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, enum.Enum) or (f.name in FILES and isinstance(value, os.PathLike)):
-                object.__setattr__(self, f.name, value := _value(value))  # fairseq's ChoiceEnum, a Path
+            if isinstance(value, (enum.Enum, os.PathLike)):  # fairseq's ChoiceEnum, a Path: as strings
+                object.__setattr__(self, f.name, value := _value(value))
             problem = type_problem(f.name, value, str(f.type))
             if problem:
                 raise UsageError(problem)
