@@ -341,7 +341,8 @@ class StreamBeamGenerator(SequenceGenerator):
 
     def _score(self, c: BeamCohort, live: LiveRows) -> Tuple[Tensor, Optional[Tensor]]:
         """Log-probs [live rows, V] of the next token, as fairseq adjusts them (LM fusion, its
-        penalties), plus the scorers' terms; and the step's attention (alignment only)."""
+        penalties), plus the scorers' terms; and the step's attention (alignment only). Without
+        scorers, NaN log-probs are left for ranking to read as -inf (`search.topk`)."""
         t = time.perf_counter()
         step_attn = None
         if c.ragged or self.lean_steps:  # caches primed with their encoder keys at admission
@@ -388,7 +389,7 @@ class StreamBeamGenerator(SequenceGenerator):
         prefix = None
         if s.prefix is not None and L < s.prefix.size(1):
             prefix = s.prefix[:, L].index_select(0, live.src)
-        lprobs = self.penalties(lprobs, L, at_max, prefix, live.tokens)
+        lprobs = self.penalties(lprobs, L, at_max, prefix, live.tokens, fix_nan=self.scorer is not None)
         if self.match_source_len:  # each source's limit is its length
             self.penalties.match_length(lprobs, L, s.max_len_t.index_select(0, live.src))
         return lprobs
@@ -398,8 +399,9 @@ class StreamBeamGenerator(SequenceGenerator):
         sync), and there apply the finalization rule and delta pruning, and find the sources that
         are done and the best EOS candidate lost on each (the backoff)."""
         s, f = c.src, c.src.finish
+        # NaN log-probs become -inf in ranking's pass over them, unless a scorer read them first
         ranked = rank_candidates(c.beams, lprobs, len(s), self.pruning, self.finalizer.ranked, self.pad,
-                                 self.rank_like_fairseq)
+                                 self.rank_like_fairseq, fix_nan=self.scorer is None)
         r = RankedHost.of(**to_host(scores=ranked.scores, parent=ranked.parent, token=ranked.token),
                           eos=self.eos, pad=self.pad)
         final, keep = self.finalizer.decide(r, f.count)
@@ -519,7 +521,8 @@ class StreamBeamGenerator(SequenceGenerator):
         if (s.steps.h >= s.max_len).any():
             at_max = s.max_len_t.index_select(0, row_src) <= steps
         short = int(s.steps.h.min()) < self.min_len
-        lprobs = self.penalties(lprobs, max(int(s.steps.h.min()), self.min_len), at_max, None, tokens_in)
+        lprobs = self.penalties(lprobs, max(int(s.steps.h.min()), self.min_len), at_max, None, tokens_in,
+                                fix_nan=self.scorer is not None)
         if short:  # no EOS before the minimum length, per row: an -inf write, like the others in any order
             lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(steps < self.min_len, -math.inf)
         if self.match_source_len:

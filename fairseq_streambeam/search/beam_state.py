@@ -16,6 +16,7 @@ from torch import Tensor
 from ..runtime.rows import Rows
 from .finalize import Ranked
 from .pruning import Pruning
+from .topk import top_children
 
 
 @dataclass
@@ -51,12 +52,13 @@ class Beams(Rows):
 
 
 def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: Pruning, ranked: int, pad: int,
-                    like_fairseq: bool = False) -> Ranked:
+                    like_fairseq: bool = False, fix_nan: bool = False) -> Ranked:
     """Rank each source's candidates: children of live rows (at most M per parent) and, for
     finished rows, the row itself carried over unchanged (token `pad`).
 
-    `live_lprobs` [live rows, V] is overwritten with the children's scores (an [N, V] tensor less
-    to allocate each step: the caller reads its log-probs no more).
+    `live_lprobs` [live rows, V] may be overwritten (the caller reads its log-probs no more);
+    `fix_nan`: its NaNs count as -inf (fairseq's adjustment, when the caller left it to ranking:
+    `search.topk`). Ranks are torch.topk's over the children's scores (`search.topk.top_children`).
 
     Two stages: top-c children per parent, then top-R over the source's parents ([B, k*c]); the
     top-R set equals that of one top-k over all parents x vocab. `like_fairseq` (fixed beams,
@@ -74,16 +76,14 @@ def rank_candidates(beams: Beams, live_lprobs: Tensor, n_sources: int, pruning: 
     live_score = score if all_live else score[beams.live]
     vocab = live_lprobs.size(1)
     per = n // n_sources if n_sources else 0  # live rows of each source, when all sources have as many
-    if torch.result_type(live_lprobs, live_score) == live_lprobs.dtype:
-        child = live_lprobs.add_(live_score.unsqueeze(1))
-    else:  # log-probs less precise than the scores: the sum is a new tensor in the scores' precision
-        child = live_lprobs + live_score.unsqueeze(1)
-    score = score.to(child.dtype)  # log-probs more precise (fairseq's adaptive softmax keeps float64): theirs
+    # a child's score is in the more precise of the two (fairseq's adaptive softmax keeps float64)
+    score = score.to(torch.result_type(live_lprobs, live_score))
     if like_fairseq and all_live and per in (1, k) and per * n_sources == n and c >= r and r < per * vocab:
-        scores, idx = child.reshape(n_sources, per * vocab).topk(r, dim=1)
+        scores, idx = top_children(live_lprobs.reshape(n_sources, per, vocab), live_score.view(n_sources, per), r,
+                                   fix_nan)
         parent = torch.arange(n_sources, device=device).unsqueeze(1) * per + idx // vocab
         return Ranked(scores, parent, idx % vocab)
-    top_s, top_t = child.topk(c, dim=1)
+    top_s, top_t = top_children(live_lprobs.unsqueeze(1), live_score.unsqueeze(1), c, fix_nan)
     if all_live:
         child_s, child_t = top_s, top_t
     else:

@@ -25,12 +25,13 @@ class FairseqPenalties:
     no_repeat_ngram: int = 0  # --no-repeat-ngram-size n (0 = off)
 
     def __call__(self, lprobs: Tensor, step: int, at_max_len: Optional[Tensor], prefix: Optional[Tensor],
-                 tokens: Tensor) -> Tensor:
+                 tokens: Tensor, fix_nan: bool = True) -> Tensor:
         """lprobs [N, V] for live rows at decoding step `step` (0-based). `at_max_len` [N] bool
         (None when no row is at its limit); `prefix` [N] forced token per row (pad = free), or
         None when past every prefix; `tokens` [N, step + 1] the rows' prefixes (BOS first), read
-        by n-gram repeat blocking only."""
-        self.fix_rows(lprobs, at_max_len)
+        by n-gram repeat blocking only. Without `fix_nan` NaNs stay for the caller to rank as
+        -inf: every other adjustment writes -inf or subtracts, so it gives the same log-probs."""
+        self.fix_rows(lprobs, at_max_len, fix_nan)
         self.fix_columns(lprobs, step, free=prefix is None)
         if prefix is not None:
             forced = prefix != self.pad
@@ -53,11 +54,12 @@ class FairseqPenalties:
     # penalty is -inf: the row-wide and the column adjustments commute, so a top-1 caller may apply
     # the cheap column writes first and the row-wide passes only if needed.
 
-    def fix_rows(self, lprobs: Tensor, at_max_len: Optional[Tensor]) -> None:
+    def fix_rows(self, lprobs: Tensor, at_max_len: Optional[Tensor], fix_nan: bool = True) -> None:
         """The adjustments that read and write every entry: NaN -> -inf (fairseq's
         lprobs[lprobs != lprobs], in one pass and without a host sync; infinities stay as they are)
         and, at rows `at_max_len`, -inf everywhere but the EOS column (forced EOS at the maximum length)."""
-        lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if fix_nan:
+            lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         if at_max_len is not None:
             eos_col = lprobs[:, self.eos].clone()
             lprobs.masked_fill_(at_max_len.unsqueeze(1), -math.inf)
