@@ -39,10 +39,10 @@ def full_sums(monkeypatch):
 
 
 def reference(lprobs, score, r, fix_nan=False):
-    sums = lprobs + score.unsqueeze(2)
+    """fairseq's order: NaN log-probs to -inf, then the sums, then one topk."""
     if fix_nan:
-        sums = sums.nan_to_num(nan=-INF, posinf=INF, neginf=-INF)
-    return sums.view(lprobs.size(0), -1).topk(r, dim=1)
+        lprobs = lprobs.nan_to_num(nan=-INF, posinf=INF, neginf=-INF)
+    return (lprobs + score.unsqueeze(2)).reshape(lprobs.size(0), -1).topk(r, dim=1)
 
 
 def log_probs(s, p, v, dtype=torch.float32, seed=0):
@@ -51,7 +51,8 @@ def log_probs(s, p, v, dtype=torch.float32, seed=0):
 
 
 def assert_ranks(got, ref):
-    assert got[0].dtype == ref[0].dtype and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert got[0].dtype == ref[0].dtype and torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("s,p,v,r,dtype,score_dtype", [
@@ -60,6 +61,7 @@ def assert_ranks(got, ref):
     (3, 50, 8008, 100, torch.float32, torch.float32),  # k = 50
     (64, 4, 1024, 8, torch.float64, torch.float64),
     (4, 5, 8008, 10, torch.float32, torch.float64),  # scores more precise than the log-probs
+    (4, 5, 8008, 10, torch.float64, torch.float32),  # log-probs more precise than the scores
 ])
 def test_block_path_ranks_as_torch_topk(full_sums, s, p, v, r, dtype, score_dtype):
     lp = log_probs(s, p, v, dtype)
@@ -70,14 +72,16 @@ def test_block_path_ranks_as_torch_topk(full_sums, s, p, v, r, dtype, score_dtyp
     assert_ranks(got, reference(lp, score, r))
 
 
-def test_best_children_in_one_block():
+def test_best_children_in_one_block(full_sums):
     """All of a source's best children in one block, and the next in another row's."""
-    lp = log_probs(2, 3, 1024)
+    lp = log_probs(2, 16, 1024)
     lp[0, 1, 300:315] = torch.linspace(-0.01, -0.5, 15)
     lp[1, 2, 1000:1024] = torch.linspace(-0.02, -0.3, 24)
-    score = torch.tensor([[-1.0, -0.5, -2.0], [-0.1, -3.0, -0.7]])
+    score = torch.full((2, 16), -5.0)
+    score[:, :3] = torch.tensor([[-1.0, -0.5, -2.0], [-0.1, -3.0, -0.7]])
     with torch.no_grad():
         assert_ranks(T.top_children(lp.clone(), score, 12), reference(lp, score, 12))
+    assert not full_sums
 
 
 def test_ties_nans_and_infinities_take_torch_topk(full_sums):
@@ -99,23 +103,40 @@ def test_ties_nans_and_infinities_take_torch_topk(full_sums):
         assert len(full_sums) == 2  # the 16th best is -inf, below the 15th: still unique
         assert_ranks(T.top_children(few.clone(), score, 16), reference(few, score, 16))
         assert len(full_sums) == 3  # the 16th and 17th are -inf: torch.topk picks among them
+        both = log_probs(4, 5, 8008)
+        both[0, 1, 3] = INF  # +inf on a row whose score is -inf: a NaN sum, first in fairseq's ranking
+        score[0, 1] = -INF
+        got, ref = T.top_children(both.clone(), score, 10, fix_nan=True), reference(both, score, 10, fix_nan=True)
+        assert got[0][0, 0].isnan() and got[1][0, 0] == 8008 + 3
+        assert_ranks(got, ref)
+        assert len(full_sums) == 4
 
 
-def test_other_vocabularies_devices_and_grad_take_torch_topk(full_sums):
+def test_other_inputs_take_torch_topk(full_sums):
+    """Vocabularies no block size divides, half precision, strided log-probs, too few blocks or
+    elements, and grad mode (the GPU's path too: torch.topk over every sum)."""
     assert T.block_size(8008) == 143 and T.block_size(1024) == 128 and T.block_size(8 * 1009) == 0
-    lp, score = log_probs(8, 5, 8 * 1009), torch.randn(8, 5)
+    score = torch.randn(8, 5)
+    wide = log_probs(8, 5, 2048)
+    cases = [(log_probs(8, 5, 8 * 1009), 10), (log_probs(8, 5, 1024).half(), 10), (wide[:, :, :1024], 10),
+             (log_probs(8, 5, 1024), 40), (log_probs(4, 1, 1024), 3)]
     with torch.no_grad():
-        assert_ranks(T.top_children(lp.clone(), score, 10), reference(lp, score, 10))
+        for lp, r in cases:
+            sc = score[:lp.size(0), :lp.size(1)]
+            ref = reference(lp, sc, r)
+            assert_ranks(T.top_children(lp if not lp.is_contiguous() else lp.clone(), sc, r), ref)
     lp = log_probs(8, 5, 1024)
     assert_ranks(T.top_children(lp.clone(), score, 10), reference(lp, score, 10))  # grad enabled
-    assert len(full_sums) == 2
+    assert len(full_sums) == len(cases) + 1
 
 
 def test_beam_with_nan_log_probs_through_the_block_path_matches_fairseq(full_sums):
     """NaN log-probs left by the penalties for ranking to read as -inf (no scorer): fairseq's output,
     on a vocabulary the block path takes."""
     d = make_dict(1020)  # 1024 with the specials
-    m = _nan_log_probs(random_transformer(d, 86, eos_bias=1.0), 7)
+    m = random_transformer(d, 86, eos_bias=1.0)
+    for column in (7, 9, 10, 11, 12, 13):  # NaN in many rows: ranked as NaN, the output would differ
+        m = _nan_log_probs(m, column)
     s = make_sample(d, random_sentences(d, 12, 87, max_len=10))
     kw = dict(beam_size=4, max_len_b=9, min_len=2, unk_penalty=0.5)
     got, gen = ours([m], d, s, **kw)

@@ -12,9 +12,9 @@ The result is torch.topk's over the sums, bit for bit, whenever that is unique: 
 best sums of every source are distinct. Each chosen block holds its own maximum, so the gathered
 sums include r+1 that are at least every other block's maximum: the (r+1)-th best gathered sum
 bounds every sum outside them, and with r+1 distinct values the r best are the source's.
-Otherwise (ties, -inf, a NaN, whose block maximum is a NaN and so ranks first) the sums are
-formed in full and ranked by torch.topk, which orders equal values its own way, as fairseq's
-search sees them.
+Otherwise, in any source of the call (ties, -inf, a NaN, whose block maximum is a NaN and so ranks
+first), the sums are formed in full and ranked by torch.topk, which orders equal values its own
+way, as fairseq's search sees them.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def top_children(lprobs: Tensor, score: Tensor, r: int, fix_nan: bool = False) -
 
 
 def _summed(lprobs: Tensor, add: Tensor, dtype: torch.dtype, fix_nan: bool) -> Tensor:
-    """(lprobs + add) [S, P * V], in place where the dtype allows; NaN -> -inf if asked."""
-    out = lprobs.add_(add) if dtype == lprobs.dtype else lprobs + add
+    """(lprobs + add) [S, P * V], in place where the dtype allows; NaN log-probs -> -inf first if
+    asked (as fairseq orders it: a sum that is NaN, +inf plus -inf, stays NaN and ranks first)."""
     if fix_nan:
-        out.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    out = lprobs.add_(add) if dtype == lprobs.dtype else lprobs + add
     return out.reshape(out.size(0), -1)
