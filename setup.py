@@ -30,6 +30,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["fairseq_streambeam", "fairseq_streambeam.*"]),
+    package_data={"fairseq_streambeam": ["runtime/*.cc"]},  # the fused attention kernel, compiled on first use
     install_requires=INSTALL_REQUIRES,
     # fairseq's commands with the plugin's --user-dir and task filled in: they work from any directory
     entry_points={

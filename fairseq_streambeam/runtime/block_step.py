@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .compiled import CompiledLayerMath
+from .fused_attention import FusedAttention, attention
 from .graph_step import GraphStep
 from .kv_cache import IncState, cached_length
 from .lean_layer import (
@@ -79,7 +80,8 @@ class BlockDecoder:
     of one row per source, as draft verification's, too). `repacked`: the lean layers and the
     output projection multiply by copies of the weights in the CPU's fastest layout in generate
     calls over many sources (RepackedLinears; with `compile` the output projection only: the
-    compiled layers take inductor's products)."""
+    compiled layers take inductor's products), and attend by the fused kernel in those calls
+    (runtime.fused_attention)."""
 
     def __init__(self, decoder, compile: bool = False, repacked: bool = False, draft_blocks: bool = False):
         from fairseq.models.transformer import TransformerDecoderBase
@@ -88,6 +90,7 @@ class BlockDecoder:
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
         lin = RepackedLinears() if repacked and self.lean else None
         self.repacked = lin
+        self.fused = FusedAttention.load() if lin is not None else None
         self.compiled = CompiledLayerMath(decoder.layers) if compile and self.lean else None
         self.call_math: Optional[LayerMath] = None  # the eager lean math of this generate call (start_call)
         # the output projection through `lin` (plain_linear without it), where fairseq's output_layer
@@ -109,8 +112,9 @@ class BlockDecoder:
         if self.repacked is not None:
             self.repacked.refresh(n_sources)
         if self.lean:
+            fused = self.fused if self.repacked is not None and self.repacked.active else None
             self.call_math = LayerMath([plain_layer(layer) for layer in self.decoder.layers],
-                                       self.repacked or plain_linear)
+                                       self.repacked or plain_linear, fused or attention)
         if self.plain_output:
             self.call_projection = plain_projection(self.decoder.output_projection)
         if self.graph is not None:

@@ -26,6 +26,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor, nn
 
+from .fused_attention import attention
 from .kv_cache import IncState
 
 
@@ -300,9 +301,10 @@ class LayerMath:
     `rows`: as for `lean_layers`; `writes`: per layer, SlotWrites of its keys and values (static
     shapes: the block's slot is written into a buffer of fixed capacity, not appended)."""
 
-    def __init__(self, layers, lin=linear):
+    def __init__(self, layers, lin=linear, products=attention):
         self.layers = layers
         self.lin = lin  # `linear` (modules), `plain_linear` (plain_layer's), or a RepackedLinears
+        self.products = products  # fused_attention.attention, or a FusedAttention
 
     def __call__(self, x: Tensor, prev_k: List[Optional[Tensor]], prev_v: List[Optional[Tensor]],
                  key_mask: Optional[Tensor], attn_mask: Optional[Tensor], attends: bool,
@@ -328,7 +330,7 @@ class LayerMath:
                 cross_add = masks["cross", heads]
             x, k, v, ck, cv = _layer(layer, x, n, m, attends, enc, pk, pv, rows,
                                      masks["self", layer.self_attn.num_heads], ck, cv, cross_add, slots, groups,
-                                     self.lin, None if writes is None else writes[i])
+                                     self.lin, None if writes is None else writes[i], self.products)
             ks.append(k)
             vs.append(v)
             cks.append(ck)
@@ -352,14 +354,14 @@ def _additive(key_mask: Optional[Tensor], attn_mask: Optional[Tensor], heads: in
 def _layer(layer, x: Tensor, n: int, m: int, attends: bool, enc: Optional[Tensor], prev_k: Optional[Tensor],
            prev_v: Optional[Tensor], rows: Optional[Tensor], self_add: Optional[Tensor], cross_k: Optional[Tensor],
            cross_v: Optional[Tensor], cross_add: Optional[Tensor], slots: Optional[Slots],
-           groups: Optional[SourceGroups], lin=linear, write: Optional[tuple] = None):
+           groups: Optional[SourceGroups], lin=linear, write: Optional[tuple] = None, products=attention):
     """One decoder layer on the block's slots `x` [N * m, C] (packed: [T, C])."""
     pre = layer.normalize_before
     x, k, v = sublayer(pre, layer.self_attn_layer_norm, x, lambda y: _self_attention(
-        layer.self_attn, y, n, m, prev_k, prev_v, rows, self_add, slots, lin, write))
+        layer.self_attn, y, n, m, prev_k, prev_v, rows, self_add, slots, lin, write, products))
     if layer.encoder_attn is not None and attends:  # as fairseq: no encoder output, no cross-attention
         x, cross_k, cross_v = sublayer(pre, layer.encoder_attn_layer_norm, x, lambda y: _cross_attention(
-            layer.encoder_attn, y, n, m, enc, cross_k, cross_v, cross_add, slots, groups, lin))
+            layer.encoder_attn, y, n, m, enc, cross_k, cross_v, cross_add, slots, groups, lin, products))
     return feed_forward(layer, x, lin), k, v, cross_k, cross_v
 
 
@@ -378,16 +380,15 @@ def feed_forward(layer, x: Tensor, lin=linear) -> Tensor:
                     lambda y: (lin(layer.fc2, layer.activation_fn(lin(layer.fc1, y))),))[0]
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, add: Optional[Tensor], n: int, m: int) -> Tensor:
-    """Scaled queries [N * m, H*d] (m slots a row) over cached keys/values [N, H, L, d]; softmax in
-    float32 like fairseq (utils.softmax). Returns [N * m, H*d]; one slot a row needs no transposes."""
+def _attend(q: Tensor, k: Tensor, v: Tensor, add: Optional[Tensor], n: int, m: int, products=attention) -> Tensor:
+    """Scaled queries [N * m, H*d] (m slots a row) over cached keys/values [N, H, L, d] by
+    `products` (fused_attention.attention or a FusedAttention). Returns [N * m, H*d]; one slot a
+    row needs no transposes."""
     h, length, d = k.size(1), k.size(2), k.size(3)
     q3 = q.view(n * h, 1, d) if m == 1 else q.view(n, m, h, d).transpose(1, 2).reshape(n * h, m, d)
     k3 = k.reshape(n * h, length, d)  # a view for the cache layout (heads of a row adjacent)
     v3 = v.reshape(n * h, length, d)
-    scores = torch.bmm(q3, k3.transpose(1, 2)) if add is None else torch.baddbmm(add, q3, k3.transpose(1, 2))
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
-    out = torch.bmm(probs, v3)
+    out = products(q3, k3, v3, add)
     return out.view(n, h * d) if m == 1 else out.view(n, h, m, d).transpose(1, 2).reshape(n * m, h * d)
 
 
@@ -398,7 +399,7 @@ def _block(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 def _self_attention(mha: MultiheadAttention, x: Tensor, n: int, m: int, prev_k: Optional[Tensor],
                     prev_v: Optional[Tensor], rows: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
-                    lin=linear, write: Optional[tuple] = None):
+                    lin=linear, write: Optional[tuple] = None, products=attention):
     """Attention output, and the keys and values with the block appended to `prev_k`/`prev_v`
     (rows `rows` of them, when given), or written at their slot (`write`: two SlotWrites)."""
     h, d = mha.num_heads, mha.head_dim
@@ -410,7 +411,7 @@ def _self_attention(mha: MultiheadAttention, x: Tensor, n: int, m: int, prev_k: 
     elif prev_k is not None:
         k = _append(prev_k, k, rows)
         v = _append(prev_v, v, rows)  # type: ignore[arg-type]
-    return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v
+    return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m, products), slots)), k, v
 
 
 FUSED_APPEND_MIN = 1 << 16  # cached elements from which a reorder and an append share one copy (`_append`)
@@ -457,17 +458,18 @@ def _packed(x: Tensor, slots: Optional[Slots]) -> Tensor:
 
 def _cross_attention(mha: MultiheadAttention, x: Tensor, n: int, m: int, enc: Optional[Tensor], k: Optional[Tensor],
                      v: Optional[Tensor], add: Optional[Tensor], slots: Optional[Slots],
-                     groups: Optional[SourceGroups], lin=linear):
+                     groups: Optional[SourceGroups], lin=linear, products=attention):
     """Attention over the cached encoder keys `k`/`v`, else over keys computed from `enc`; with
     `groups`, keys cached per source. Returns the output and the keys and values."""
     q = _block(lin(mha.q_proj, x) * mha.scaling, slots)
     h, d = mha.num_heads, mha.head_dim
     if groups is not None:
-        out = _attend(groups.spread(q, m), k, v, add, groups.n_sources, groups.width * m)  # type: ignore[arg-type]
+        out = _attend(groups.spread(q, m), k, v, add, groups.n_sources, groups.width * m,  # type: ignore[arg-type]
+                      products)
         return lin(mha.out_proj, groups.collect(out, m)), k, v
     if k is None:
         assert enc is not None
         s = enc.size(0)
         k = lin(mha.k_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()  # [S, N, C] -> [N, H, S, d]
         v = lin(mha.v_proj, enc).view(s, n, h, d).permute(1, 2, 0, 3).contiguous()
-    return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m), slots)), k, v  # type: ignore[arg-type]
+    return lin(mha.out_proj, _packed(_attend(q, k, v, add, n, m, products), slots)), k, v  # type: ignore[arg-type]
