@@ -90,7 +90,8 @@ class BlockDecoder:
         self.lean = all(lean_supported(layer) for layer in decoder.layers)
         lin = RepackedLinears() if repacked and self.lean else None
         self.repacked = lin
-        self.fused = FusedAttention.load() if lin is not None else None
+        # the CPU attention kernel (built on first use), for a decoder on the CPU when it is built
+        self.fused = FusedAttention.load() if lin is not None and decoder.embed_tokens.weight.is_cpu else None
         self.compiled = CompiledLayerMath(decoder.layers) if compile and self.lean else None
         self.call_math: Optional[LayerMath] = None  # the eager lean math of this generate call (start_call)
         # the output projection through `lin` (plain_linear without it), where fairseq's output_layer

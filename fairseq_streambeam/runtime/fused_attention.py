@@ -5,7 +5,7 @@ A beam step's attention is many tiny products: per row and head one query (self-
 source's few rows (cross-attention, lean_layer.SourceGroups) against tens of keys of 64 floats.
 torch's batched products run these far below a core's peak (docs/benchmarks.md, "What the
 engine's parts save"). The kernel is compiled once per machine with the system's C++ compiler
-(`CXX`, else `c++`), for this CPU (`-march=native`), into `$XDG_CACHE_HOME/fairseq_streambeam`
+(`CXX`, else `c++`), for the CPU it runs on (`-march=native`), into `$XDG_CACHE_HOME/fairseq_streambeam`
 (default ~/.cache), keyed by source, flags, compiler and CPU. Without a compiler, or with
 `STREAMBEAM_FUSED_ATTENTION=0`, the eager products run. It rounds otherwise than torch's
 products, in a score's last float32 bits, so it runs where the repacked weights do
@@ -55,7 +55,7 @@ class FusedAttention:
 
     @classmethod
     def load(cls) -> Optional[FusedAttention]:
-        """The kernel, compiled on first use on this machine; None (with one log line) where it
+        """The kernel, compiled on first use on each machine; None (with one log line) where it
         cannot be built or is switched off."""
         if os.environ.get("STREAMBEAM_FUSED_ATTENTION", "1") == "0":
             return None
@@ -99,7 +99,7 @@ def _cpu_id() -> str:
 
 
 def _build() -> Path:
-    """The kernel's shared library for this machine: compiled once, then reused from the cache."""
+    """The kernel's shared library for the running machine: compiled once, then reused from the cache."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler (set CXX)")
