@@ -86,6 +86,18 @@ def test_inputs_the_kernel_does_not_take_run_torch_products():
     assert FUSED.applies(qv, k, v, None) and torch.equal(FUSED(qv, k, v, None), FUSED(q, k, v, None))
 
 
+@needs_kernel
+def test_load_builds_into_an_empty_cache_and_reuses_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = FusedAttention.load()
+    libs = list((tmp_path / "fairseq_streambeam").glob("fused_attention-*.so"))
+    assert built is not None and len(libs) == 1
+    stamp = libs[0].stat().st_mtime_ns
+    q, k, v = _inputs(5, 2, 11)
+    assert torch.equal(built(q, k, v, None), FUSED(q, k, v, None))
+    assert FusedAttention.load() is not None and libs[0].stat().st_mtime_ns == stamp  # not built again
+
+
 def test_load_reports_a_failed_build_and_the_switch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
