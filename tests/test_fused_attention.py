@@ -98,12 +98,18 @@ def test_load_builds_into_an_empty_cache_and_reuses_it(monkeypatch, tmp_path):
     assert FusedAttention.load() is not None and libs[0].stat().st_mtime_ns == stamp  # not built again
 
 
-def test_load_reports_a_failed_build_and_the_switch(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("CXX", "/bin/false")
+def test_load_reports_a_failed_build_once_and_the_switch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f"#!/bin/sh\necho run >> {calls}\necho 'error: no OpenMP' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
     with caplog.at_level("WARNING"):
         assert FusedAttention.load() is None
-    assert "fused attention unavailable" in caplog.text and not list(tmp_path.rglob("*.so"))
+        assert FusedAttention.load() is None  # the failure is remembered: the compiler is not run again
+    assert "fused attention unavailable (cxx failed: error: no OpenMP)" in caplog.text, caplog.text
+    assert calls.read_text() == "run\n" and not list(tmp_path.rglob("*.so"))
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("STREAMBEAM_FUSED_ATTENTION", "0")
     assert FusedAttention.load() is None

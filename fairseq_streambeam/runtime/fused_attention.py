@@ -109,13 +109,19 @@ def _build() -> Path:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), compiler, _cpu_id()]).encode()).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fairseq_streambeam"
     lib = cache / f"fused_attention-{key[:16]}.so"
+    failed = lib.with_suffix(".failed")  # a build that failed is not tried again with the same compiler
     if lib.exists():
         return lib
+    if failed.exists():
+        raise RuntimeError(failed.read_text().strip())
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # a whole file or none: parallel builds race
         out = Path(tmp) / lib.name
         r = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"{Path(cxx).name} failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+            lines = r.stderr.strip().splitlines()
+            message = f"{Path(cxx).name} failed: {lines[-1] if lines else f'exit code {r.returncode}'}"
+            failed.write_text(message + "\n")
+            raise RuntimeError(message)
         os.replace(out, lib)
     return lib
