@@ -310,6 +310,7 @@ def test_sigterm_answers_every_accepted_request(offline):
 
     try:
         results, late = _run(go())
+        srv.proc.wait(timeout=60)  # the test's SIGTERM ends the server; stop() would send a second one
     finally:
         rc = srv.stop()
     assert [st for st, _ in results] == [200] * 10
