@@ -284,7 +284,7 @@ def check_args(a: argparse.Namespace) -> None:
     if a.src and not a.ref:
         raise CalibrationError("--src needs --ref: calibration scores BLEU against a reference")
     problem = model_files_problem(a.data, (a.source_lang, a.target_lang), a.path)
-    for name, path in (("--src", a.src), ("--ref", a.ref)):
+    for name, path in (("--src", a.src), ("--ref", a.ref), *(("--nbest", f) for f in a.nbest or ())):
         problem = problem or (path and file_problem(name, path))
     if problem:
         raise CalibrationError(problem)

@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 from typing import List, Optional
 
 from . import malloc
@@ -78,6 +79,9 @@ def _fairseq_command(interactive: bool) -> None:
     sys.argv = with_plugin(sys.argv)
     logging.getLogger("fairseq.utils").addFilter(_ALREADY_IMPORTED)
     fairseq_log_level()
+    # fairseq adapter: fairseq builds its config with Hydra's deprecated compose API, and Hydra warns
+    # of that in about 20 lines at every run, before any log or error line; its warnings name hydra
+    warnings.filterwarnings("ignore", message=r"(?s).*hydra", category=UserWarning)
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         _show_help_with_task_options(interactive)
     malloc.retain_freed_memory()
@@ -85,6 +89,8 @@ def _fairseq_command(interactive: bool) -> None:
         from fairseq_cli.interactive import cli_main
     else:
         from fairseq_cli.generate import cli_main
+    results = None if interactive else _results_file(sys.argv)
+    new = [p for p in (results, os.path.dirname(results or "")) if p and not os.path.exists(p)]
     try:
         cli_main()
     except Exception as e:  # noqa: BLE001 (only fairseq's usage failures are turned into one line)
@@ -93,7 +99,32 @@ def _fairseq_command(interactive: bool) -> None:
             raise
         print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
         _end_batch_prefetch()
+        _remove_empty(new)
         sys.exit(2)  # argparse's status for a usage error
+
+
+def _results_file(argv: List[str]) -> Optional[str]:
+    """fairseq adapter: the file fairseq-generate writes under --results-path (generate-SUBSET.txt),
+    which it creates before it loads the model and the data, so before their usage errors; None
+    without --results-path."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--results-path")
+    pre.add_argument("--gen-subset", default="test")
+    a = pre.parse_known_args(argv[1:])[0]
+    return None if a.results_path is None else os.path.join(a.results_path, f"generate-{a.gen_subset}.txt")
+
+
+def _remove_empty(paths: List[str]) -> None:
+    """After a usage error: remove the files and directories of `paths` (made by this run) that
+    are still empty, so that a failed run leaves nothing behind."""
+    for path in paths:
+        try:
+            if os.path.isfile(path) and os.path.getsize(path) == 0:
+                os.remove(path)
+            elif os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        except OSError:
+            pass
 
 
 def _end_batch_prefetch(timeout: float = 10.0) -> None:

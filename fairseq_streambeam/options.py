@@ -33,7 +33,8 @@ class StreamBeamConfig(TranslationConfig):
                                                  "variable-width beams with streaming refill (Yang et al. 2020); "
                                                  "fixed-stream: fixed beam, streamed; iad: input-guided aggressive "
                                                  "decoding (= greedy output, Ge et al. 2022); gad: generalized "
-                                                 "aggressive decoding with a --drafter model (= greedy output with "
+                                                 "aggressive decoding, drafts by a --drafter model or a --draft-lookup "
+                                                 "table (= greedy output with "
                                                  "--gad-beta 1; GAD++ otherwise); fairseq: fairseq's own "
                                                  "SequenceGenerator")
     prune_abs_threshold: Optional[float] = _option(None, "delta: drop candidates more than delta below the best "

@@ -243,7 +243,7 @@ def test_a_gap_of_exactly_the_tolerance_is_on_target(tiny_run, tmp_path, monkeyp
 @pytest.mark.parametrize("extra,message", [
     (["--src", "{src}"], "--src needs --ref"),
     (["--decoding", "beam"], "--decoding beam has no pruning to calibrate: give --nbest evidence"),
-    (["--nbest", "{tmp}/missing.nbest"], "missing.nbest"),
+    (["--nbest", "{tmp}/missing.nbest"], "--nbest {tmp}/missing.nbest: no such file"),
     (["--nbest", "{tmp}/bad.nbest", "--format", "moses"], "bad.nbest:1: not a Moses n-best line"),
     (["--range", "5:2"], "--range 5:2: needs 0 <= START < END"),
     (["--range", "0:1000"], "lines 0:1000 run past the end of the test set (61 sentences)"),
@@ -274,6 +274,7 @@ def test_bad_input_is_one_line_with_status_2(tiny_run, tmp_path, extra, message)
     first_ref = (data.parent / "test.tgt").read_text().splitlines()[0]
     (tmp_path / "far.nbest").write_text(f"1000 ||| {first_ref} ||| f ||| 0\n")  # ids of another split
     extra = [x.format(src=data.parent / "test.src", tmp=tmp_path) for x in extra]
+    message = message.format(tmp=tmp_path)
     r = run_cli([str(BIN / "streambeam-calibrate"), *_argv(data, ckpt, tmp_path / "out", *extra)])
     assert r.returncode == 2
     errors = [x for x in r.stderr.splitlines() if "error" in x]

@@ -115,10 +115,11 @@ def test_an_error_lets_fairseqs_batch_prefetch_thread_end():
 def test_fairseq_option_mistakes_are_one_line(tmp_path):
     """fairseq's own checks (data directory, split, checkpoint, --path, a mandatory BPE option), and
     the plugin's checks of a source, end in a traceback in fairseq-generate; the plugin's command
-    prints one line, status 2."""
+    prints one line, status 2, without Hydra's deprecation warnings before it, and removes the empty
+    --results-path file (and directory) that fairseq-generate made before it loaded anything."""
     m = shared_path("models", "deen-tiny")
     data, ckpt = str(m / "data-bin"), str(m / "checkpoint_best.pt")
-    base = ["-s", "de", "-t", "en", "--cpu", "--batch-size", "1"]
+    base = ["-s", "de", "-t", "en", "--cpu", "--batch-size", "1", "--results-path", "res"]
     cases = [
         (["/nonexistent", "--path", ckpt], "/nonexistent: no such directory"),
         ([data, "--path", str(tmp_path / "missing.pt")], "missing.pt: no such checkpoint"),
@@ -134,6 +135,10 @@ def test_fairseq_option_mistakes_are_one_line(tmp_path):
         errors = [x for x in r.stderr.splitlines() if "error:" in x]
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
         assert len(errors) == 1 and text in errors[0], (args, r.stderr[-2000:])
+        assert "hydra.cc" not in r.stderr and not (tmp_path / "res").exists(), (args, r.stderr[-2000:])
+    (tmp_path / "res").mkdir()  # a directory of the user's stays; the run's empty file does not
+    r = run_cli([command("streambeam-generate"), *cases[2][0], *base], cwd=tmp_path)
+    assert r.returncode == 2 and list((tmp_path / "res").iterdir()) == [], r.stderr[-2000:]
 
 
 def test_a_usage_error_is_the_only_line(tmp_path):
