@@ -89,8 +89,7 @@ def _fairseq_command(interactive: bool) -> None:
         from fairseq_cli.interactive import cli_main
     else:
         from fairseq_cli.generate import cli_main
-    results = None if interactive else _results_file(sys.argv)
-    new = [p for p in (results, os.path.dirname(results or "")) if p and not os.path.exists(p)]
+    new = [] if interactive else _missing(_results_file(sys.argv))
     try:
         cli_main()
     except Exception as e:  # noqa: BLE001 (only fairseq's usage failures are turned into one line)
@@ -112,6 +111,15 @@ def _results_file(argv: List[str]) -> Optional[str]:
     pre.add_argument("--gen-subset", default="test")
     a = pre.parse_known_args(argv[1:])[0]
     return None if a.results_path is None else os.path.join(a.results_path, f"generate-{a.gen_subset}.txt")
+
+
+def _missing(path: Optional[str]) -> List[str]:
+    """`path` and its parent directories that do not exist yet, deepest first."""
+    out: List[str] = []
+    while path and not os.path.exists(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
 
 
 def _remove_empty(paths: List[str]) -> None:

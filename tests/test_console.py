@@ -119,7 +119,7 @@ def test_fairseq_option_mistakes_are_one_line(tmp_path):
     --results-path file (and directory) that fairseq-generate made before it loaded anything."""
     m = shared_path("models", "deen-tiny")
     data, ckpt = str(m / "data-bin"), str(m / "checkpoint_best.pt")
-    base = ["-s", "de", "-t", "en", "--cpu", "--batch-size", "1", "--results-path", "res"]
+    base = ["-s", "de", "-t", "en", "--cpu", "--batch-size", "1", "--results-path", "res/out"]
     cases = [
         (["/nonexistent", "--path", ckpt], "/nonexistent: no such directory"),
         ([data, "--path", str(tmp_path / "missing.pt")], "missing.pt: no such checkpoint"),
@@ -136,9 +136,9 @@ def test_fairseq_option_mistakes_are_one_line(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
         assert len(errors) == 1 and text in errors[0], (args, r.stderr[-2000:])
         assert "hydra.cc" not in r.stderr and not (tmp_path / "res").exists(), (args, r.stderr[-2000:])
-    (tmp_path / "res").mkdir()  # a directory of the user's stays; the run's empty file does not
+    (tmp_path / "res" / "out").mkdir(parents=True)  # a directory of the user's stays; the run's empty file does not
     r = run_cli([command("streambeam-generate"), *cases[2][0], *base], cwd=tmp_path)
-    assert r.returncode == 2 and list((tmp_path / "res").iterdir()) == [], r.stderr[-2000:]
+    assert r.returncode == 2 and list((tmp_path / "res" / "out").iterdir()) == [], r.stderr[-2000:]
 
 
 def test_a_usage_error_is_the_only_line(tmp_path):
