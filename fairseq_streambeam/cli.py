@@ -23,6 +23,7 @@ from typing import List, Optional
 
 from . import malloc
 from .frontend import fairseq_log_level
+from .textio import missing_paths, remove_empty
 
 # the directory fairseq's import_user_module finds in this package's __path__ (so it imports nothing twice)
 PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -89,7 +90,7 @@ def _fairseq_command(interactive: bool) -> None:
         from fairseq_cli.interactive import cli_main
     else:
         from fairseq_cli.generate import cli_main
-    new = [] if interactive else _missing(_results_file(sys.argv))
+    new = [] if interactive else missing_paths(_results_file(sys.argv))
     try:
         cli_main()
     except Exception as e:  # noqa: BLE001 (only fairseq's usage failures are turned into one line)
@@ -98,7 +99,7 @@ def _fairseq_command(interactive: bool) -> None:
             raise
         print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
         _end_batch_prefetch()
-        _remove_empty(new)
+        remove_empty(new)
         sys.exit(2)  # argparse's status for a usage error
 
 
@@ -111,28 +112,6 @@ def _results_file(argv: List[str]) -> Optional[str]:
     pre.add_argument("--gen-subset", default="test")
     a = pre.parse_known_args(argv[1:])[0]
     return None if a.results_path is None else os.path.join(a.results_path, f"generate-{a.gen_subset}.txt")
-
-
-def _missing(path: Optional[str]) -> List[str]:
-    """`path` and its parent directories that do not exist yet, deepest first."""
-    out: List[str] = []
-    while path and not os.path.exists(path):
-        out.append(path)
-        path = os.path.dirname(path)
-    return out
-
-
-def _remove_empty(paths: List[str]) -> None:
-    """After a usage error: remove the files and directories of `paths` (made by this run) that
-    are still empty, so that a failed run leaves nothing behind."""
-    for path in paths:
-        try:
-            if os.path.isfile(path) and os.path.getsize(path) == 0:
-                os.remove(path)
-            elif os.path.isdir(path) and not os.listdir(path):
-                os.rmdir(path)
-        except OSError:
-            pass
 
 
 def _end_batch_prefetch(timeout: float = 10.0) -> None:

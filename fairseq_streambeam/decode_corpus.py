@@ -38,7 +38,7 @@ from .frontend import (
 )
 from .runtime.counters import Counters
 from .spec import OneLineParser, UsageError, checkpoint_files
-from .textio import file_problem
+from .textio import file_problem, missing_paths, remove_empty
 
 SHARD = "shard-{:05d}"
 # run counters that add up across shards (rates such as expansions per step are derived in the merge)
@@ -59,10 +59,7 @@ def check_args(args) -> None:
     worker_identity()
     worker_gpu(1)  # LOCAL_RANK's form, before anything loads
     shards = os.path.join(args.output_dir, "shards")
-    missing, d = [], shards  # the folders this command makes, deepest first
-    while d and not os.path.isdir(d):
-        missing.append(d)
-        d = os.path.dirname(d)
+    missing = missing_paths(shards)  # the folders this command makes
     try:  # the last check: a folder is made only for a command that passed the others
         os.makedirs(shards, exist_ok=True)
     except OSError as e:
@@ -334,11 +331,7 @@ def main(argv=None) -> int:
         return decode(args)
     except UsageError as e:  # found while decoding, e.g. --min-len above a line's length limit
         print(f"streambeam-decode-corpus: error: {e}", file=sys.stderr)
-        for path in getattr(args, "_made", []):  # the folders this command made, deepest first, if still empty
-            try:
-                os.rmdir(path)
-            except OSError:
-                break
+        remove_empty(getattr(args, "_made", []))  # the folders this command made, if still empty
         return 2
 
 

@@ -62,6 +62,29 @@ def output_problem(flag: str, path: str) -> Optional[str]:
     return None if os.path.isdir(parent) else f"{flag} {path}: no such directory {parent}"
 
 
+def missing_paths(path: Optional[str]) -> List[str]:
+    """`path` and its parent directories that do not exist yet, deepest first: what a command
+    that makes them removes again after a usage error (`remove_empty`)."""
+    out: List[str] = []
+    while path and not os.path.exists(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+def remove_empty(paths: List[str]) -> None:
+    """After a usage error: remove the files and directories of `paths` (made by this run) that
+    are still empty, so that a failed run leaves nothing behind."""
+    for path in paths:
+        try:
+            if os.path.isfile(path) and os.path.getsize(path) == 0:
+                os.remove(path)
+            elif os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        except OSError:
+            pass
+
+
 def tokenizers() -> List[str]:
     """The --tokenizer choices: none and fairseq's registered tokenizers."""
     import fairseq.data.encoders  # noqa: F401  (registers them)
